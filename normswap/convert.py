@@ -1,0 +1,135 @@
+"""The conversion pipeline, in place: walk -> plan -> untie -> fold -> swap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.errors import NormswapError
+from normswap.fold import fold_site, plan, untie_parameters
+from normswap.sites import NormSite
+from normswap.swap import swap_norms
+from normswap.walk import walk
+
+NORM_CHOICES = ("keep", "rmsnorm")
+
+
+@dataclass
+class ConvertReport:
+    """What ``convert`` did.
+
+    Attributes:
+        model: the model's name or path (``config._name_or_path``) or class name.
+        norm: the requested target kind (``"keep"`` or ``"rmsnorm"``).
+        norms_found / norms_folded / norms_swapped: counts over ``sites``.
+        sites: every norm found, with consumers, what was done and why not.
+        untied: qualified names of parameters given their own storage before folding.
+        untie_bytes: extra bytes those copies cost.
+        untouched: 2-D+ parameters no op used in the trace (listed for the user to judge).
+        check: the check result (``CheckResult.to_dict()``) when the caller ran one.
+    """
+
+    model: str
+    norm: str
+    norms_found: int
+    norms_folded: int
+    norms_swapped: int
+    sites: list[NormSite]
+    untied: list[str] = field(default_factory=list)
+    untie_bytes: int = 0
+    untouched: list[str] = field(default_factory=list)
+    check: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "norm": self.norm,
+            "norms_found": self.norms_found,
+            "norms_folded": self.norms_folded,
+            "norms_swapped": self.norms_swapped,
+            "untied": list(self.untied),
+            "untie_bytes": self.untie_bytes,
+            "untouched": list(self.untouched),
+            "sites": [s.to_dict() for s in self.sites],
+            "check": self.check,
+        }
+
+
+def _model_name(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    return getattr(config, "_name_or_path", "") or type(model).__name__
+
+
+def inspect(model: nn.Module, input_ids: torch.Tensor | None = None) -> list[NormSite]:
+    """List the norms of ``model`` with their semantics, consumers and foldability; changes nothing.
+
+    Args:
+        model: a Hugging Face model (any ``nn.Module`` whose forward takes ``input_ids``).
+        input_ids: ``(batch, seq)`` int64 ids for the one traced forward; default 2 x 16 fixed random ids.
+
+    Returns:
+        One ``NormSite`` per norm module, in execution order.
+    """
+    return walk(model, input_ids).sites
+
+
+def convert(
+    model: nn.Module,
+    *,
+    norm: str = "keep",
+    fold: bool = True,
+    untie: bool = True,
+    swap: bool = True,
+    input_ids: torch.Tensor | None = None,
+) -> ConvertReport:
+    """Fold every foldable norm into its consumers and swap every norm for a fused module, in place.
+
+    Args:
+        model: the model to convert (modified in place).
+        norm: ``"keep"`` keeps each norm's kind; ``"rmsnorm"`` converts a pre-LN LayerNorm model into an
+            equivalent RMSNorm model by centering the residual stream (SliceGPT, Ashkboos et al. 2024).
+        fold: fold affine parameters into consumers where exact.
+        untie: allow giving a tied consumer weight (``lm_head`` tied to the embedding) its own copy so the
+            final norm can fold into it; with False such sites are swapped only and storage stays shared.
+        swap: replace norms by fused modules.
+        input_ids: ids for the trace (see ``inspect``).
+
+    Returns:
+        A ``ConvertReport``.
+
+    Raises:
+        ValueError: unknown ``norm``.
+        NormswapError: the model has no norm.
+        normswap.center.CenteringError: ``norm="rmsnorm"`` on a model that cannot be converted exactly (the
+            model is left unchanged).
+    """
+    if norm not in NORM_CHOICES:
+        raise ValueError(f"norm must be one of {NORM_CHOICES}, got {norm!r}")
+    result = walk(model, input_ids)
+    if not result.sites:
+        raise NormswapError(f"{_model_name(model)}: no normalization module found")
+    if norm == "rmsnorm":
+        from normswap.center import center
+
+        center(model, result)
+    report = ConvertReport(
+        model=_model_name(model), norm=norm, norms_found=len(result.sites), norms_folded=0, norms_swapped=0,
+        sites=result.sites, untouched=result.untouched,
+    )  # fmt: skip
+    if fold:
+        folding = plan(model, result, untie=untie)
+        report.untied = untie_parameters(model, folding.untie)
+        report.untie_bytes = folding.untie_bytes
+        for site in folding.sites:
+            fold_site(model, site)
+        report.norms_folded = len(folding.sites)
+    else:
+        for site in result.sites:
+            if site.foldable:
+                site.reason = "folding disabled by option"
+    if swap:
+        report.norms_swapped = swap_norms(model, result.sites)
+    return report

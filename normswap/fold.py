@@ -1,0 +1,152 @@
+"""Folding a norm's affine parameters into the linear maps that consume its output.
+
+For a consumer ``z = W x (+ c)`` of a norm output ``x = n * (offset + w) + b`` (``n`` the normalized input),
+
+    W x + c = (W diag(offset + w)) n + (W b + c)
+
+so scaling the weight's input axis by ``offset + w`` and adding ``W b`` to the bias leaves ``z`` unchanged
+while the norm keeps only ``n`` (weight at its identity ``1 - offset``, bias 0). All arithmetic runs in
+float64 and is stored back in each parameter's dtype. Sharing is resolved first: a consumer weight that is
+the same Parameter as another module's (tied embeddings) is given its own copy ("untied") before folding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from normswap.sites import NormSite
+from normswap.walk import Walk
+
+
+@dataclass
+class FoldPlan:
+    """What folding will do: the sites to fold and the parameters to untie first.
+
+    Attributes:
+        sites: sites that will be folded (``site.foldable`` and nothing in the way).
+        untie: ``(module_name, attribute)`` pairs whose Parameter is shared and gets its own copy.
+        untie_bytes: extra bytes the untied copies cost.
+    """
+
+    sites: list[NormSite] = field(default_factory=list)
+    untie: list[tuple[str, str]] = field(default_factory=list)
+    untie_bytes: int = 0
+
+
+def plan(model: nn.Module, walk: Walk, untie: bool = True) -> FoldPlan:
+    """Decide which foldable sites fold, and what must be untied; marks blocked sites with their reason.
+
+    A consumer weight may be used by nothing but this site's consumer ops. If it is shared with another use
+    (for example the input embedding tied to ``lm_head``), the consumer module gets its own copy when
+    ``untie`` is true and the weight is held by several module attributes; otherwise the site is not folded.
+    """
+    result = FoldPlan()
+    claimed: dict[str, str] = {}
+    for site in walk.sites:
+        if not site.foldable:
+            continue
+        own_ops = {(c.op, c.module, c.param) for c in site.consumers}
+        to_untie: list[tuple[str, str]] = []
+        blocked = None
+        for c in site.consumers:
+            others = [u for u in walk.param_uses.get(c.param, []) if (u[0], u[1], c.param) not in own_ops]
+            owner = next(((m, a) for m, a in walk.owners.get(c.param, []) if m == c.module), None)
+            claimed_by = claimed.get(c.param)
+            if claimed_by is not None and claimed_by != site.name:
+                blocked = f"consumer weight {c.param} also consumes {claimed_by}"
+            elif others:
+                if not untie:
+                    blocked = f"consumer weight {c.param} is shared with {others[0][1] or others[0][0]} (untying disabled)"
+                elif owner is None or len(walk.owners.get(c.param, [])) < 2:
+                    blocked = f"consumer weight {c.param} is also used by {others[0][0]} in {others[0][1]}"
+                elif owner not in to_untie:
+                    to_untie.append(owner)
+        if blocked:
+            site.foldable, site.reason = False, blocked
+            continue
+        for c in site.consumers:
+            claimed[c.param] = site.name
+            owner = next(((m, a) for m, a in walk.owners.get(c.param, []) if m == c.module), None)
+            if owner in to_untie:  # after untying, the consumer's weight is its own attribute
+                c.param = f"{owner[0]}.{owner[1]}" if owner[0] else owner[1]
+        for owner in to_untie:
+            if owner not in result.untie:
+                result.untie.append(owner)
+                p = model.get_submodule(owner[0])._parameters[owner[1]]
+                result.untie_bytes += p.numel() * p.element_size()
+        result.sites.append(site)
+    return result
+
+
+def untie_parameters(model: nn.Module, owners: list[tuple[str, str]]) -> list[str]:
+    """Give each ``(module_name, attribute)`` its own copy of the Parameter it shares.
+
+    The other holders keep the original Parameter object, bit-identical. When the shared Parameter was the
+    input embedding, every ``tie_word_embeddings`` flag in the config becomes False so a saved checkpoint
+    loads untied. Returns the qualified names of the new Parameters.
+    """
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    names = []
+    for module_name, attr in owners:
+        module = model.get_submodule(module_name)
+        old = module._parameters[attr]
+        setattr(module, attr, nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad))
+        names.append(f"{module_name}.{attr}" if module_name else attr)
+        if embedding is not None and getattr(embedding, "weight", None) is old:
+            _untie_config(model)
+    return names
+
+
+def _untie_config(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    configs = {id(config): config}
+    if hasattr(config, "get_text_config"):
+        text = config.get_text_config()
+        configs[id(text)] = text
+    for cfg in configs.values():
+        if getattr(cfg, "tie_word_embeddings", False):
+            cfg.tie_word_embeddings = False
+
+
+def scale_and_shift(site: NormSite, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The norm's effective float64 scale ``offset + w`` (shape ``(D,)``) and bias ``b`` (or None)."""
+    w = getattr(module, site.weight).detach().double() if site.weight else torch.zeros(site.shape, dtype=torch.float64)
+    b = getattr(module, site.bias).detach().double() if site.bias else None
+    return w + site.offset, b
+
+
+@torch.no_grad()
+def fold_site(model: nn.Module, site: NormSite) -> None:
+    """Fold one foldable site into its consumers and reset the norm to its identity parameters, in place.
+
+    Raises:
+        ValueError: a consumer bias does not have the shape ``W b`` gives (the fold would not be exact).
+    """
+    norm = model.get_submodule(site.name)
+    scale, shift = scale_and_shift(site, norm)
+    seen: set[tuple[str, int]] = set()
+    for c in site.consumers:
+        if (c.param, c.axis) in seen:
+            continue
+        seen.add((c.param, c.axis))
+        weight = model.get_parameter(c.param)
+        w64 = weight.detach().double()
+        if shift is not None and c.bias is not None:
+            bias = model.get_parameter(c.bias)
+            delta = torch.tensordot(w64, shift, dims=([c.axis], [0]))
+            if delta.shape != bias.shape:
+                raise ValueError(f"{site.name}: bias {c.bias} has shape {tuple(bias.shape)}, W b has {tuple(delta.shape)}")
+            bias.copy_((bias.detach().double() + delta).to(bias.dtype))
+        shape = [1] * weight.ndim
+        shape[c.axis] = -1
+        weight.copy_((w64 * scale.reshape(shape)).to(weight.dtype))
+    if site.weight:
+        getattr(norm, site.weight).fill_(1.0 - site.offset)
+    if site.bias:
+        getattr(norm, site.bias).zero_()
+    site.folded = True

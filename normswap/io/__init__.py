@@ -1,0 +1,37 @@
+"""Model I/O: resolve and load MODEL arguments, fetch short-name models, save and reload checkpoints.
+
+* ``load_model(source, dtype=..., trust_remote_code=...)`` -> ``LoadedModel(model, tokenizer, info)``
+* ``save_converted(model, tokenizer, report, out_dir, overwrite=False)`` (atomic)
+* ``load_pretrained(path)`` -> model with normswap's fused norms in place
+"""
+
+from normswap.io.fetch import SHORT_MODELS, cache_dir, fetch
+from normswap.io.load import LoadedModel, ModelInfo, Resolved, is_causal_lm, load_model, resolve
+from normswap.io.save import (
+    MANIFEST,
+    check_output_dir,
+    load_pretrained,
+    plain_float_checkpoint,
+    read_manifest,
+    report_dict,
+    save_converted,
+)
+
+__all__ = [
+    "MANIFEST",
+    "SHORT_MODELS",
+    "LoadedModel",
+    "ModelInfo",
+    "Resolved",
+    "cache_dir",
+    "check_output_dir",
+    "fetch",
+    "is_causal_lm",
+    "load_model",
+    "load_pretrained",
+    "plain_float_checkpoint",
+    "read_manifest",
+    "report_dict",
+    "resolve",
+    "save_converted",
+]

@@ -1,0 +1,278 @@
+"""Save a converted model as an ordinary transformers checkpoint, atomically; load it back.
+
+The output directory holds what ``save_pretrained`` writes (``model.safetensors``, ``config.json``,
+``generation_config.json``), the tokenizer files, and ``normswap.json`` (the conversion report, whose
+``sites`` let ``load_pretrained`` put the fused modules back). It loads in plain
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` without normswap: the swapped norms keep their
+module names and parameter names, so the checkpoint is in the model's own architecture format, with the
+folded norms at their identity weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normswap.errors import NormswapError
+from normswap.io import fetch
+from normswap.io.load import ModelInfo, _load_failure, is_causal_lm, load_config, resolve, torch_dtype
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "normswap.json"
+
+
+def _protected_paths(source: str | os.PathLike | None) -> list[Path]:
+    """The files/directories of the input model that a save must never write into or replace."""
+    if source is None:
+        return []
+    text = str(source)
+    if text in fetch.SHORT_MODELS and not Path(text).exists():
+        return [(fetch.cache_dir() / text).resolve()]
+    path = Path(text).expanduser()
+    return [path.resolve()] if path.exists() else []
+
+
+def check_output_dir(out_dir: str | os.PathLike, source=None, *, overwrite: bool = False) -> Path:
+    """Check that ``out_dir`` can receive a converted checkpoint of model ``source``; return it absolute.
+
+    Nothing is created. Call it before the (slow) load so bad input fails at once.
+
+    Args:
+        out_dir: the output directory.
+        source: the MODEL argument (path, short name, hub id) or ``None``.
+        overwrite: whether an existing ``out_dir`` may be replaced.
+
+    Raises:
+        NormswapError: ``out_dir`` exists (without ``overwrite``) or is a file, lies inside the input
+            model's directory, is the input, or (with ``overwrite``) contains the input.
+    """
+    out = Path(out_dir).expanduser().resolve()
+    for protected in _protected_paths(source):
+        if out == protected or protected in out.parents:
+            raise NormswapError(
+                f"output directory {out} is inside the input model {protected}; choose another"
+            )
+        if out in protected.parents:
+            raise NormswapError(
+                f"output directory {out} contains the input model {protected}; "
+                "replacing it would delete the input"
+            )
+    if out.exists() and not out.is_dir():
+        raise NormswapError(f"output path {out} exists and is not a directory")
+    if out.exists() and not overwrite:
+        raise NormswapError(f"output directory {out} already exists; pass --overwrite to replace it")
+    return out
+
+
+@contextlib.contextmanager
+def plain_float_checkpoint(model: torch.nn.Module):
+    """Within the block, ``model`` saves as an ordinary float checkpoint even if it was loaded from GGUF.
+
+    Loading a GGUF file dequantizes every weight to a float tensor, but transformers still attaches its
+    GGUF quantizer (``model.hf_quantizer``, ``model.is_quantized``, ``model.quantization_method``,
+    ``config.quantization_config``, ``config._is_quantized``), and ``save_pretrained`` refuses such a model
+    ("quantized with gguf ... not serializable"); the config would also carry the GGUF quantization
+    settings into ``config.json``. This removes that state for the duration of the block and restores it
+    afterwards, so the caller's model is not changed permanently.
+
+    Raises:
+        NormswapError: the model is quantized by another method, or holds GGUF weights still packed
+            (non-float parameters): there is no float checkpoint to write.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        yield model
+        return
+    method = getattr(quantizer.quantization_config, "quant_method", None)
+    method = str(getattr(method, "value", method))
+    if method != "gguf":
+        raise NormswapError(f"the model is quantized with {method}; normswap saves float checkpoints only")
+    packed = [name for name, p in model.named_parameters() if not p.is_floating_point()]
+    if packed:
+        raise NormswapError(
+            f"the model holds packed GGUF weights ({packed[0]}, ...); "
+            "load it dequantized to save a float checkpoint"
+        )
+    from transformers import PreTrainedModel
+
+    configs = {id(m.config): m.config for m in model.modules() if isinstance(m, PreTrainedModel)}
+    saved: list[tuple[object, str, object]] = []
+    targets = [(model, a) for a in ("hf_quantizer", "quantization_method", "is_quantized")]
+    targets += [(c, a) for c in configs.values() for a in ("quantization_config", "_is_quantized")]
+    try:
+        for obj, attr in targets:
+            if attr in vars(obj):
+                saved.append((obj, attr, vars(obj)[attr]))
+                delattr(obj, attr)
+        model.is_quantized = False
+        yield model
+    finally:
+        if "is_quantized" in vars(model):
+            del model.is_quantized
+        for obj, attr, value in saved:
+            setattr(obj, attr, value)
+
+
+def report_dict(report, info: ModelInfo | None = None) -> dict[str, Any]:
+    """The JSON-ready manifest for ``normswap.json`` and ``--report``: ``report.to_dict()`` (a
+    ``ConvertReport``) plus where the model came from (``model`` = the MODEL argument, ``source`` = the
+    resolved ``ModelInfo``), its ``dtype`` and ``architecture``, and the normswap version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    data = report.to_dict() if hasattr(report, "to_dict") else dict(report)
+    if info is not None:
+        data["model"] = info.source
+        data["architecture"] = info.architecture
+        data["dtype"] = info.dtype
+        data["source"] = info.to_dict()
+    try:
+        data["normswap_version"] = version("normswap")
+    except PackageNotFoundError:
+        data["normswap_version"] = None
+    return data
+
+
+def _replace_dir(built: Path, out: Path, overwrite: bool) -> None:
+    """Move the finished ``built`` directory to ``out`` with renames only (same filesystem)."""
+    if not out.exists():
+        os.rename(built, out)
+        return
+    if not overwrite:
+        raise NormswapError(f"output directory {out} already exists; pass --overwrite to replace it")
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+    os.rmdir(old)
+    os.rename(out, old)
+    try:
+        os.rename(built, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_converted(
+    model: torch.nn.Module,
+    tokenizer,
+    report: dict[str, Any],
+    out_dir: str | os.PathLike,
+    overwrite: bool = False,
+    *,
+    input_path: str | os.PathLike | None = None,
+) -> Path:
+    """Write ``model`` (converted in place), its tokenizer and the report to ``out_dir``, atomically.
+
+    The files are written into a temporary directory beside ``out_dir`` (same filesystem), which is then
+    renamed to ``out_dir``; an error or interruption removes it, so ``out_dir`` is either complete or
+    absent (an existing one is only replaced, with ``overwrite``, after the new one is complete). The
+    weights are saved by ``save_pretrained`` as safetensors in the model's own architecture format
+    (GGUF-loaded models as a plain float checkpoint, see ``plain_float_checkpoint``); tied parameters
+    are written once, an untied ``lm_head`` (``config.tie_word_embeddings = False``) as its own tensor.
+    The caller's model is left as it was.
+
+    Args:
+        model: a transformers ``PreTrainedModel``.
+        tokenizer: its tokenizer (or ``None``).
+        report: JSON-ready dict (``report_dict(...)``), written as ``normswap.json``.
+        out_dir: the output directory; its parent is created if needed.
+        overwrite: replace an existing ``out_dir``.
+        input_path: the MODEL argument the model came from, to refuse an ``out_dir`` inside it.
+
+    Returns:
+        the absolute output directory.
+
+    Raises:
+        NormswapError: see ``check_output_dir`` and ``plain_float_checkpoint``; also when the disk refuses
+            the write (the one line names the OS error).
+    """
+    out = check_output_dir(out_dir, input_path, overwrite=overwrite)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        built = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    except OSError as error:
+        raise NormswapError(f"cannot write to {out.parent}: {error.strerror or error}") from error
+    try:
+        with plain_float_checkpoint(model):
+            model.save_pretrained(built)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(built)
+        (built / MANIFEST).write_text(json.dumps(report, indent=2) + "\n")
+        _replace_dir(built, out, overwrite)
+    except OSError as error:
+        raise NormswapError(f"cannot save to {out}: {error.strerror or error}") from error
+    finally:
+        shutil.rmtree(built, ignore_errors=True)
+    log.info("saved %s", out)
+    return out
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``normswap.json`` of a converted checkpoint directory.
+
+    Raises:
+        NormswapError: no ``normswap.json`` (not a normswap checkpoint) or it is not valid JSON.
+    """
+    manifest = Path(path).expanduser() / MANIFEST
+    if not manifest.is_file():
+        raise NormswapError(f"{path}: no {MANIFEST}; not a checkpoint written by normswap convert")
+    try:
+        return json.loads(manifest.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise NormswapError(f"{manifest}: not valid JSON ({error})") from error
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+    **kwargs,
+) -> torch.nn.Module:
+    """Load a checkpoint written by ``normswap convert`` with its fused norm modules in place.
+
+    The weights load with plain transformers (``AutoModelForCausalLM`` for causal LMs, ``AutoModel``
+    otherwise); then every site the manifest marks ``swapped`` is rebuilt with ``NormSite.from_dict`` and
+    ``normswap.swap.swap_norms`` installs the fused modules under the same module names.
+
+    Args:
+        path: the checkpoint directory.
+        dtype: dtype to load in (default: the dtype the checkpoint was saved in).
+        trust_remote_code: allow transformers to run Python code shipped with the model.
+        **kwargs: passed on to ``from_pretrained``.
+
+    Returns:
+        the model, in eval mode.
+
+    Raises:
+        NormswapError: not a normswap checkpoint, or transformers cannot load it.
+    """
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from normswap.sites import NormSite
+    from normswap.swap import swap_norms
+
+    manifest = read_manifest(path)
+    resolved = resolve(path, download=False)
+    config = load_config(resolved, trust_remote_code=trust_remote_code)
+    auto = AutoModelForCausalLM if is_causal_lm(config) else AutoModel
+    if dtype is not None:
+        kwargs["dtype"] = torch_dtype(dtype)
+    else:
+        kwargs.setdefault("dtype", "auto")
+    try:
+        model = auto.from_pretrained(
+            resolved.path, config=config, trust_remote_code=trust_remote_code, **kwargs
+        )
+    except Exception as error:
+        raise _load_failure(resolved, "weights", error) from error
+    sites = [NormSite.from_dict(site) for site in manifest.get("sites", []) if site.get("swapped")]
+    swap_norms(model, sites)
+    return model.eval()

@@ -1,0 +1,154 @@
+"""``FusedRMSNorm`` and ``FusedLayerNorm``: drop-in modules over the functional ops.
+
+Each keeps the parameter names of the module it replaces (``weight_name``/``bias_name``), so state-dict
+keys do not change, and reproduces its cast order and output dtype (see ``reference.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from normswap.kernels import ops
+from normswap.kernels.reference import CAST_ORDERS
+
+
+class _FusedNorm(nn.Module):
+    kind = ""
+
+    def __init__(
+        self,
+        shape,
+        eps: float,
+        offset: float,
+        cast_order: str,
+        weight_name: str | None,
+        bias_name: str | None,
+        device=None,
+        dtype=None,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        if not shape or any(s <= 0 for s in shape):
+            raise ValueError(f"norm shape must be (D,) or (H, D) with positive sizes, got {shape}")
+        if cast_order not in CAST_ORDERS:
+            raise ValueError(f"cast_order must be one of {CAST_ORDERS}, got {cast_order!r}")
+        if weight_name is None and offset != 0.0:
+            raise ValueError(f"offset={offset} needs a weight; a parameter-free norm has offset 0")
+        if backend is not None:
+            ops.resolve_backend(backend)
+        self.shape = shape
+        self.normalized_shape = (shape[-1],)
+        self.eps = float(eps)
+        self.offset = float(offset)
+        self.cast_order = cast_order
+        self.weight_name = weight_name
+        self.bias_name = bias_name
+        self.backend = backend
+        factory = {"device": device, "dtype": dtype}
+        if weight_name is not None:
+            self.register_parameter(weight_name, nn.Parameter(torch.empty(shape, **factory)))
+        if bias_name is not None:
+            self.register_parameter(bias_name, nn.Parameter(torch.empty(shape, **factory)))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Identity parameters: weight ``1 - offset`` (so ``offset + w == 1``), bias 0."""
+        with torch.no_grad():
+            if self.weight_name is not None:
+                getattr(self, self.weight_name).fill_(1.0 - self.offset)
+            if self.bias_name is not None:
+                getattr(self, self.bias_name).zero_()
+
+    def _params(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        w = getattr(self, self.weight_name) if self.weight_name is not None else None
+        b = getattr(self, self.bias_name) if self.bias_name is not None else None
+        return w, b
+
+    def extra_repr(self) -> str:
+        s = f"{self.shape}, eps={self.eps}, offset={self.offset}, cast_order={self.cast_order!r}"
+        if self.weight_name != "weight":
+            s += f", weight_name={self.weight_name!r}"
+        if self.kind == "layernorm" and self.bias_name != "bias":
+            s += f", bias_name={self.bias_name!r}"
+        if self.backend is not None:
+            s += f", backend={self.backend!r}"
+        return s
+
+
+class FusedRMSNorm(_FusedNorm):
+    """RMSNorm over the last axis with the semantics of the module it replaces.
+
+    ``y = x * rsqrt(mean(x**2) + eps) * (offset + weight)`` in cast order ``"llama"`` (as
+    ``LlamaRMSNorm``) or ``"fp32"`` (as ``GemmaRMSNorm``); see ``normswap.kernels.rms_norm``.
+
+    Args:
+        shape: the scale's shape, ``(D,)`` or per-head ``(H, D)`` (an int means ``(D,)``).
+        eps: epsilon added to the mean square.
+        offset: 0.0, or 1.0 for Gemma's ``(1 + w)``.
+        cast_order: ``"llama"`` or ``"fp32"``.
+        weight_name: attribute name of the scale parameter; None for a parameter-free norm.
+        device, dtype: of the parameter (initialized to the identity, ``1 - offset``).
+        backend: force a backend (see ``ops.BACKENDS``); None = ``$NORMSWAP_BACKEND`` or ``"auto"``.
+
+    Forward: ``x`` of shape ``(..., D)`` (trailing dims matching ``shape``) -> same shape; dtype as
+    ``rms_norm``.
+
+    Raises:
+        ValueError: bad shape, cast order, backend, or an offset without a weight.
+    """
+
+    kind = "rmsnorm"
+
+    def __init__(
+        self,
+        shape,
+        eps: float,
+        offset: float = 0.0,
+        cast_order: str = "llama",
+        weight_name: str | None = "weight",
+        device=None,
+        dtype=None,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__(shape, eps, offset, cast_order, weight_name, None, device, dtype, backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, _ = self._params()
+        return ops.rms_norm(x, w, self.eps, self.offset, self.cast_order, self.backend)
+
+
+class FusedLayerNorm(_FusedNorm):
+    """LayerNorm over the last axis with the semantics of the module it replaces.
+
+    ``y = (x - mean) * rsqrt(var + eps) * (offset + weight) + bias`` (biased variance) in cast order
+    ``"fp32"`` (as ``nn.LayerNorm``, ``CohereLayerNorm``, OLMo's parameter-free norm) or ``"llama"``.
+
+    Args:
+        shape, eps, offset, cast_order, weight_name, device, dtype, backend: as ``FusedRMSNorm``.
+        bias_name: attribute name of the bias parameter; None when the module has no bias.
+
+    Raises:
+        ValueError: as ``FusedRMSNorm``.
+    """
+
+    kind = "layernorm"
+
+    def __init__(
+        self,
+        shape,
+        eps: float,
+        offset: float = 0.0,
+        cast_order: str = "fp32",
+        weight_name: str | None = "weight",
+        bias_name: str | None = "bias",
+        device=None,
+        dtype=None,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__(shape, eps, offset, cast_order, weight_name, bias_name, device, dtype, backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self._params()
+        return ops.layer_norm(x, w, b, self.eps, self.offset, self.cast_order, self.backend)

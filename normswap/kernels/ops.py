@@ -1,0 +1,304 @@
+"""Functional norm ops, registered as ``torch.library`` custom ops, and the choice of backend per call.
+
+Backends (``backend=`` argument, the module's ``backend`` attribute, or the ``NORMSWAP_BACKEND``
+environment variable, in that order of precedence):
+
+* ``"auto"`` (default): CUDA -> ``"triton"`` when triton is installed and the dtypes are half, bfloat16 or
+  float32, else ``"torch"``; CPU -> ``"torch"`` for LayerNorm (torch's fused kernel, already near the copy
+  bound) and ``"eager"`` for RMSNorm (torch has no fused CPU RMSNorm; compiling costs seconds, so it is
+  opt-in).
+* ``"eager"``: ``reference.py``, the op sequence of the HF modules.
+* ``"torch"``: torch's own ``F.layer_norm`` / ``F.rms_norm``.
+* ``"compiled"``: ``torch.compile`` of the reference (``compiled.py``), any device.
+* ``"triton"``: hand-written Triton kernels (``triton_norm.py``), CUDA only.
+
+A backend that cannot take a call (triton on CPU, float64, no triton installed) falls back to ``"torch"``
+with a warning. Under ``torch.compile``, ``"auto"`` and ``"compiled"`` hand the reference math to the
+compiler, which fuses it (and can fuse it with its neighbours); the other backends go through the custom
+ops, which the compiler treats as opaque calls with known output shape and dtype (their fake impls), so
+there are no graph breaks and no recompiles per norm instance. Calls that need gradients use the
+reference math, which autograd differentiates.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import warnings
+
+import torch
+
+from normswap.kernels import reference as ref
+
+BACKENDS = ("auto", "eager", "torch", "compiled", "triton")
+ENV_VAR = "NORMSWAP_BACKEND"
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@torch.compiler.assume_constant_result
+def _env_backend() -> str:
+    return os.environ.get(ENV_VAR, "") or "auto"
+
+
+def resolve_backend(backend: str | None) -> str:
+    """The backend name a call uses: ``backend`` if given, else ``$NORMSWAP_BACKEND``, else ``"auto"``.
+
+    Raises:
+        ValueError: the name is not one of ``BACKENDS``.
+    """
+    name = backend if backend is not None else _env_backend()
+    if name not in BACKENDS:
+        source = "backend" if backend is not None else f"${ENV_VAR}"
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_reason(x: torch.Tensor, *params: torch.Tensor | None) -> str | None:
+    """Why the triton backend cannot take this call, or None when it can."""
+    if x.device.type != "cuda":
+        return f"input is on {x.device.type}, triton needs cuda"
+    if not _has_triton():
+        return "triton is not installed"
+    for t in (x, *params):
+        if t is not None and t.dtype not in _TRITON_DTYPES:
+            return f"dtype {t.dtype} is not one of float16/bfloat16/float32"
+    return None
+
+
+def _pick(op: str, backend: str, x: torch.Tensor, *params: torch.Tensor | None) -> str:
+    """Concrete backend for one call of ``op`` ("rms" or "layer")."""
+    if backend == "auto":
+        if x.device.type == "cuda":
+            return "triton" if _triton_reason(x, *params) is None else "torch"
+        if x.device.type == "cpu" and op == "rms":
+            return "eager"
+        return "torch"
+    if backend == "triton":
+        reason = _triton_reason(x, *params)
+        if reason is not None:
+            warnings.warn(f"normswap: triton backend unavailable ({reason}); using torch", stacklevel=3)
+            return "torch"
+    return backend
+
+
+def _triton():
+    from normswap.kernels import triton_norm  # lazy: imports triton
+
+    return triton_norm
+
+
+def _compiled():
+    from normswap.kernels import compiled
+
+    return compiled
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Custom ops. Inputs are made contiguous so outputs are always contiguous, as the fake impls promise.
+
+
+@torch.library.custom_op("normswap::rms_norm", mutates_args=())
+def _rms_norm_op(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, cast_order: str, backend: str
+) -> torch.Tensor:
+    x = x.contiguous()
+    w, _ = ref.prepare_params(weight, None, offset, cast_order)
+    name = _pick("rms", backend, x, w)
+    if name == "triton":
+        return _triton().rms_norm(x, w, eps, cast_order)
+    if name == "compiled":
+        return _compiled().rms_norm(x, w, eps, cast_order)
+    if name == "torch":
+        return ref.rms_norm_torch(x, w, eps, cast_order).contiguous()
+    return ref.rms_norm_math(x, w, eps, cast_order)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, offset, cast_order, backend):
+    wdt = None if weight is None else weight.dtype
+    return x.new_empty(x.shape, dtype=ref.output_dtype(x.dtype, wdt, None, cast_order))
+
+
+@torch.library.custom_op("normswap::layer_norm", mutates_args=())
+def _layer_norm_op(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    cast_order: str,
+    backend: str,
+) -> torch.Tensor:
+    x = x.contiguous()
+    w, b = ref.prepare_params(weight, bias, offset, cast_order)
+    name = _pick("layer", backend, x, w, b)
+    if name == "triton":
+        return _triton().layer_norm(x, w, b, eps, cast_order)
+    if name == "compiled":
+        return _compiled().layer_norm(x, w, b, eps, cast_order)
+    if name == "torch":
+        return ref.layer_norm_torch(x, w, b, eps, cast_order).contiguous()
+    return ref.layer_norm_math(x, w, b, eps, cast_order)
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias, eps, offset, cast_order, backend):
+    wdt = None if weight is None else weight.dtype
+    bdt = None if bias is None else bias.dtype
+    return x.new_empty(x.shape, dtype=ref.output_dtype(x.dtype, wdt, bdt, cast_order))
+
+
+@torch.library.custom_op("normswap::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    cast_order: str,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x, residual = x.contiguous(), residual.contiguous()
+    w, _ = ref.prepare_params(weight, None, offset, cast_order)
+    name = _pick("rms", backend, x, w, residual)
+    if name == "triton":
+        return _triton().add_rms_norm(x, residual, w, eps, cast_order)
+    if name == "compiled":
+        return _compiled().add_rms_norm(x, residual, w, eps, cast_order)
+    h = x + residual
+    if name == "torch":
+        return ref.rms_norm_torch(h, w, eps, cast_order).contiguous(), h
+    return ref.rms_norm_math(h, w, eps, cast_order), h
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset, cast_order, backend):
+    hdt = torch.promote_types(x.dtype, residual.dtype)
+    wdt = None if weight is None else weight.dtype
+    return (
+        x.new_empty(x.shape, dtype=ref.output_dtype(hdt, wdt, None, cast_order)),
+        x.new_empty(x.shape, dtype=hdt),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public functional API.
+
+
+def _use_math(backend: str, *tensors: torch.Tensor | None) -> bool:
+    """True when the call should run the differentiable / compiler-visible reference math directly."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return True
+    return torch.compiler.is_compiling() and backend in ("auto", "compiled")
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    cast_order: str = "llama",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """RMSNorm over the last axis: ``x * rsqrt(mean(x**2) + eps) * (offset + weight)``.
+
+    Zhang & Sennrich (2019); cast orders as transformers' ``LlamaRMSNorm`` (``"llama"``) and
+    ``GemmaRMSNorm`` (``"fp32"``), see ``reference.py``.
+
+    Args:
+        x: input of shape ``(..., D)``, any floating dtype, any strides.
+        weight: scale of shape ``(D,)`` or per-head ``(H, D)`` matching the input's trailing dims, or None.
+        eps: added to the mean square.
+        offset: 0.0 for ``w`` scales, 1.0 for Gemma's ``(1 + w)``.
+        cast_order: ``"llama"`` or ``"fp32"``.
+        backend: one of ``BACKENDS``; None reads ``$NORMSWAP_BACKEND``, default ``"auto"``.
+
+    Returns:
+        Contiguous tensor of ``x``'s shape; dtype ``x.dtype`` in ``"fp32"`` order, the promotion of
+        ``weight.dtype`` and ``x.dtype`` in ``"llama"`` order.
+
+    Raises:
+        ValueError: bad cast order, backend, dtype or weight shape (see ``reference.check_args``).
+    """
+    ref.check_args(x, weight, None, offset, cast_order)
+    name = resolve_backend(backend)
+    if _use_math(name, x, weight):
+        w, _ = ref.prepare_params(weight, None, offset, cast_order)
+        return ref.rms_norm_math(x, w, eps, cast_order)
+    return torch.ops.normswap.rms_norm(x, weight, float(eps), float(offset), cast_order, name)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    offset: float = 0.0,
+    cast_order: str = "fp32",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """LayerNorm over the last axis: ``(x - mean) * rsqrt(var + eps) * (offset + weight) + bias``.
+
+    Ba et al. (2016), biased variance as ``nn.LayerNorm``. ``"fp32"`` order is ``nn.LayerNorm`` /
+    ``CohereLayerNorm`` / OLMo's parameter-free norm; ``"llama"`` order casts the normalized value to
+    ``x.dtype`` before the affine part.
+
+    Args:
+        x: input of shape ``(..., D)``, any floating dtype.
+        weight, bias: ``(D,)`` or per-head ``(H, D)``, or None.
+        eps, offset, cast_order, backend: as in ``rms_norm``.
+
+    Returns:
+        Contiguous tensor of ``x``'s shape; dtype as in ``rms_norm`` (the bias joins the promotion).
+
+    Raises:
+        ValueError: as in ``rms_norm``.
+    """
+    ref.check_args(x, weight, bias, offset, cast_order)
+    name = resolve_backend(backend)
+    if _use_math(name, x, weight, bias):
+        w, b = ref.prepare_params(weight, bias, offset, cast_order)
+        return ref.layer_norm_math(x, w, b, eps, cast_order)
+    return torch.ops.normswap.layer_norm(x, weight, bias, float(eps), float(offset), cast_order, name)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    cast_order: str = "llama",
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm, the pre-norm block pattern, in one pass where the backend fuses it.
+
+    Args:
+        x: the block output, shape ``(..., D)``.
+        residual: the residual stream, same shape as ``x`` (dtypes may differ; they are promoted).
+        weight, eps, offset, cast_order, backend: as in ``rms_norm``.
+
+    Returns:
+        ``(normed, new_residual)`` with ``new_residual = x + residual`` and
+        ``normed = rms_norm(new_residual, ...)``.
+
+    Raises:
+        ValueError: ``x`` and ``residual`` differ in shape, or as in ``rms_norm``.
+    """
+    if x.shape != residual.shape:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape")
+    ref.check_args(x, weight, None, offset, cast_order)
+    if not residual.is_floating_point():
+        raise ValueError(f"residual must be floating point, got {residual.dtype}")
+    name = resolve_backend(backend)
+    if _use_math(name, x, residual, weight):
+        w, _ = ref.prepare_params(weight, None, offset, cast_order)
+        h = x + residual
+        return ref.rms_norm_math(h, w, eps, cast_order), h
+    return torch.ops.normswap.add_rms_norm(x, residual, weight, float(eps), float(offset), cast_order, name)

@@ -1,0 +1,241 @@
+"""Norm semantics by numerical probing.
+
+A module is a norm if, on inputs shaped like the ones it saw in the model, its output is
+
+    rmsnorm:   y = x / sqrt(mean(x**2) + eps) * (offset + w)            (Zhang & Sennrich, 2019)
+    layernorm: y = (x - mean(x)) / sqrt(var(x) + eps) * (offset + w) + b  (Ba et al., 2016)
+
+over the last axis, with ``w`` and ``b`` among its own parameters. Nothing here reads class names, attribute
+names or the config: the kind comes from shift invariance, the role of each parameter from how the output
+moves when it is perturbed, the offset and eps from fitting the outputs. All probing runs on copies of the
+module, so the model is never touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+from normswap.sites import NormSite
+
+# Relative tolerance of the structural tests. Probing runs in float64 where the module lets it; modules that
+# upcast to float32 internally (most HF norms) still agree with the float64 formula to ~1e-6 relative.
+_RTOL = 1e-4
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = _RTOL) -> bool:
+    scale = max(a.abs().max().item(), b.abs().max().item(), 1e-30)
+    return bool((a - b).abs().max().item() <= rtol * scale)
+
+
+def _normalize(x: torch.Tensor, kind: str, eps: float = 0.0) -> torch.Tensor:
+    """float64 reference normalization over the last axis."""
+    x = x.double()
+    if kind == "layernorm":
+        x = x - x.mean(-1, keepdim=True)
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _probe_shape(input_shape: tuple[int, ...]) -> tuple[int, ...]:
+    # At least 4 leading rows so every feature sees several samples; trailing dims as in the model.
+    if len(input_shape) >= 2:
+        return (max(4, input_shape[0]), *input_shape[1:])
+    return (4, *input_shape)
+
+
+def _broadcasts(param_shape: torch.Size, input_shape: tuple[int, ...]) -> bool:
+    """True when ``param_shape`` is a suffix of ``input_shape`` (a per-feature or per-head parameter)."""
+    if len(param_shape) == 0 or len(param_shape) > len(input_shape):
+        return False
+    return tuple(param_shape) == tuple(input_shape[-len(param_shape) :])
+
+
+def is_candidate(module: nn.Module, input_shape: tuple[int, ...]) -> bool:
+    """Cheap static filter applied before probing: a leaf whose tensors all broadcast over the input.
+
+    Args:
+        module: the module seen in the trace.
+        input_shape: shape of the single tensor it was called with.
+    """
+    if any(True for child in module.children() for _ in child.parameters()):
+        return False
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return len(tensors) <= 2 and all(
+        t.is_floating_point() and _broadcasts(t.shape, input_shape) for t in tensors
+    )
+
+
+def _run(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    try:
+        with torch.no_grad():
+            y = module(x)
+    except Exception:  # noqa: BLE001 - a module that cannot take a probe input is not a norm
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or not y.is_floating_point():
+        return None
+    if not torch.isfinite(y).all():
+        return None
+    return y.double()
+
+
+def _roles(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: torch.Tensor, gen: torch.Generator):
+    """Perturb each parameter/buffer of ``module`` (a float64 copy) and classify it as scale or bias."""
+    scale = bias = None
+    named = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    for name, t in named:
+        saved = t.data.clone()
+        delta = torch.randn(t.shape, generator=gen, dtype=t.dtype) * 0.25
+        t.data.add_(delta)
+        moved = _run(module, x)
+        t.data.copy_(saved)
+        if moved is None:
+            return None
+        dy = moved - y
+        if _close(dy, delta * n, rtol=1e-3):
+            if scale is not None:
+                return None
+            scale = name
+        elif _close(dy, delta.expand_as(dy), rtol=1e-3):
+            if bias is not None:
+                return None
+            bias = name
+        else:  # a tensor that changes the output in any other way: not a plain norm
+            return None
+    return scale, bias
+
+
+def _measure_eps(module: nn.Module, n: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> float:
+    """Find the eps the module really adds to the mean square (or variance).
+
+    Feeding ``t * n`` (rows of mean square ``t**2``, zero mean for LayerNorm) gives
+    ``y - b = w * n * t / sqrt(t**2 + eps)``; the ratio ``rho = t / sqrt(t**2 + eps)`` is best conditioned
+    where ``t**2`` is near eps, so sweep ``t**2`` over 1 .. 1e-16 and keep the estimate with rho closest to
+    1/sqrt(2).
+    """
+    wn = w * n
+    denom = wn.pow(2).sum().item()
+    best, best_gap = 0.0, math.inf
+    for k in range(0, 17):
+        t = 10.0 ** (-k / 2)
+        y = _run(module, (n * t).to(torch.float64))
+        if y is None:
+            break
+        rho = ((y - b) * wn).sum().item() / denom
+        if not 0.0 < rho <= 1.0 + 1e-9:
+            continue
+        gap = abs(rho - 2**-0.5)
+        if gap < best_gap and rho < 0.999:
+            best_gap = gap
+            best = t * t * (1.0 / (rho * rho) - 1.0)
+    return best
+
+
+def _snap_eps(estimate: float, module: nn.Module) -> float:
+    """Prefer a float attribute of the module that matches the measured eps; else round to 3 digits."""
+    if estimate <= 0.0:
+        return 0.0
+    for value in vars(module).values():
+        if isinstance(value, float) and value > 0 and abs(value - estimate) <= 0.02 * estimate:
+            return value
+    return float(f"{estimate:.2e}")
+
+
+def _cast_order(module: nn.Module, site: NormSite, shape: tuple[int, ...], gen: torch.Generator) -> str:
+    """Which of the two cast orders a bfloat16 copy of the module follows, bit for bit.
+
+    ``"llama"``: normalize in float32, cast to the input dtype, then multiply by the weight (LlamaRMSNorm).
+    ``"fp32"``: multiply by the weight in float32 and cast at the end (GemmaRMSNorm, nn.LayerNorm).
+    """
+    from normswap.kernels import layer_norm, rms_norm
+
+    if site.weight is None:
+        return "fp32"
+    low = copy.deepcopy(module).to(torch.bfloat16)
+    x = (torch.randn(shape, generator=gen) * 3).to(torch.bfloat16)
+    y = _run(low, x)
+    if y is None:
+        return "fp32"
+    w = getattr(low, site.weight)
+    b = getattr(low, site.bias) if site.bias else None
+    best, best_err = "fp32", math.inf
+    for order in ("fp32", "llama"):
+        if site.kind == "rmsnorm":
+            ref = rms_norm(x, w, eps=site.eps, offset=site.offset, cast_order=order, backend="eager")
+        else:
+            ref = layer_norm(x, w, b, eps=site.eps, offset=site.offset, cast_order=order, backend="eager")
+        err = (ref.double() - y).abs().sum().item()
+        if err < best_err:
+            best, best_err = order, err
+    return best
+
+
+def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = "") -> NormSite | None:
+    """Decide by probing whether ``module`` is a norm, and measure its semantics.
+
+    Args:
+        module: the candidate (never modified; probing runs on float64 and bfloat16 copies).
+        input_shape: shape of the tensor the module was called with in the model, ``(..., D)``.
+        name: module name, recorded on the site.
+
+    Returns:
+        A ``NormSite`` (consumers empty, not yet foldable) or ``None`` if the module is not a norm over the
+        last axis with at most a scale and a bias parameter.
+    """
+    if not is_candidate(module, input_shape):
+        return None
+    gen = torch.Generator().manual_seed(0)
+    shape = _probe_shape(input_shape)
+    probe = copy.deepcopy(module).double().eval()
+    for p in probe.parameters():
+        p.requires_grad_(False)
+    # Rows with non-zero mean, so RMS-style and mean-subtracting norms differ.
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + torch.randn(
+        (*shape[:-1], 1), generator=gen, dtype=torch.float64
+    )
+    y = _run(probe, x)
+    if y is None:
+        return None
+    scaled = _run(probe, x * 4.0)
+    if scaled is None or not _close(scaled, y):
+        return None
+    shifted = _run(probe, x + 7.0 * torch.randn((*shape[:-1], 1), generator=gen, dtype=torch.float64))
+    kind = "layernorm" if shifted is not None and _close(shifted, y) else "rmsnorm"
+    n = _normalize(x, kind)
+    roles = _roles(probe, x, y, n, gen)
+    if roles is None:
+        return None
+    scale_name, bias_name = roles
+    w = getattr(probe, scale_name).double() if scale_name else torch.zeros(())
+    b = getattr(probe, bias_name).double() if bias_name else torch.zeros(())
+    # offset: y - b = (offset + w) * n, read where |n| is well away from 0.
+    mask = n.abs() > 0.5
+    offset = (((y - b) / n - w)[mask]).median().item()
+    if abs(offset - round(offset)) < 1e-4:
+        offset = float(round(offset))
+    if scale_name is None and offset != 1.0:
+        return None  # a parameter-free map with a hidden constant scale is not a norm we can reproduce
+    if not _close((offset + w) * n + b, y, rtol=1e-4):
+        return None
+    eps = _snap_eps(_measure_eps(probe, n, offset + w, b), module)
+    if scale_name is None:
+        offset = 0.0  # parameter-free: y = n, recorded as the w convention with no w
+        param_shape = (input_shape[-1],)
+    else:
+        param_shape = tuple(getattr(module, scale_name).shape)
+    ref_tensor = getattr(module, scale_name) if scale_name else None
+    site = NormSite(
+        name=name,
+        kind=kind,
+        offset=offset,
+        eps=eps,
+        weight=scale_name,
+        bias=bias_name,
+        shape=param_shape,
+        cast_order="fp32",
+        dtype=str(ref_tensor.dtype).removeprefix("torch.") if ref_tensor is not None else "none",
+    )
+    site.cast_order = _cast_order(module, site, shape, gen)
+    return site

@@ -1,0 +1,86 @@
+"""Records that flow through the pipeline: what the walk found, what convert did.
+
+Every record is a plain dataclass with ``to_dict()`` so reports serialize to JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Consumer:
+    """One op that uses a norm's output as the input of a linear map.
+
+    Attributes:
+        module: name of the module executing the op (``"model.layers.0.self_attn.q_proj"``).
+        param: qualified name of the weight parameter the op multiplies by.
+        op: the op seen in the trace (``"linear"``, ``"addmm"``, ``"matmul"``, ``"grouped_mm"``, ...).
+        axis: axis of the weight parameter that is contracted with the norm's feature axis.
+        bias: qualified name of the bias parameter the op adds, or ``None``.
+    """
+
+    module: str
+    param: str
+    op: str
+    axis: int
+    bias: str | None = None
+
+
+@dataclass
+class NormSite:
+    """One normalization module, its semantics as measured by probing, and what was done to it.
+
+    The module computes, over the last axis of its input ``x`` (shape ``(..., D)``)::
+
+        rmsnorm:   y = x / sqrt(mean(x**2) + eps) * (offset + weight)
+        layernorm: y = (x - mean(x)) / sqrt(var(x) + eps) * (offset + weight) + bias
+
+    Attributes:
+        name: module name in ``model.named_modules()``.
+        kind: ``"rmsnorm"`` or ``"layernorm"``.
+        offset: 0.0 for the ``w`` convention, 1.0 for Gemma's ``(1 + w)``.
+        eps: the epsilon the module really uses (measured, not read from the config).
+        weight: attribute name of the scale parameter on the module, or ``None`` (parameter-free).
+        bias: attribute name of the bias parameter, or ``None``.
+        shape: shape of the scale parameter, or ``(D,)`` for a parameter-free norm.
+        cast_order: ``"llama"`` (normalize in float32, cast to the input dtype, then multiply by the
+            weight) or ``"fp32"`` (multiply in float32, cast to the input dtype at the end).
+        dtype: dtype of the scale parameter (or of the input, for a parameter-free norm), e.g.
+            ``"float32"``.
+        consumers: the linear ops that read this norm's output.
+        foldable: whether the affine parameters can be folded into ``consumers`` exactly.
+        folded: whether convert folded them (the norm then holds its identity parameters).
+        reason: why the norm is not foldable or was not folded, ``None`` otherwise.
+    """
+
+    name: str
+    kind: str
+    offset: float
+    eps: float
+    weight: str | None
+    bias: str | None
+    shape: tuple[int, ...]
+    cast_order: str
+    dtype: str
+    consumers: list[Consumer] = field(default_factory=list)
+    foldable: bool = False
+    folded: bool = False
+    swapped: bool = False
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        d["consumer_ops"] = d.pop("consumers")
+        d["consumers"] = sorted({c.module for c in self.consumers})
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "NormSite":
+        d = dict(d)
+        d.pop("consumers", None)
+        ops = [Consumer(**c) for c in d.pop("consumer_ops", [])]
+        d["shape"] = tuple(d["shape"])
+        return cls(consumers=ops, **d)

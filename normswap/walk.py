@@ -1,0 +1,459 @@
+"""One traced forward pass: find every norm and the linear ops that consume its output.
+
+During a single short forward (2 x 16 token ids by default):
+
+* temporary global module hooks keep the stack of executing modules and record, for every call of a leaf
+  module with one tensor input and an output of the same shape, the input shape; that output becomes a
+  *source* whose uses are followed;
+* a ``TorchFunctionMode`` sees every torch function call. Tensors derived from a source through shape-only
+  and value-preserving ops (view, reshape, transpose, slicing of leading axes, dropout in eval, casts, scalar
+  multiples) stay tagged with a dim map (``dimmap.py``) that says where the source's feature axis went.
+  Tensors derived from parameters are tagged the same way, so an op that contracts the feature axis with a
+  parameter's axis (``F.linear``, ``matmul``/``addmm`` as in GPT-2's Conv1D and Falcon, ``_grouped_mm`` as in
+  transformers 5's stacked MoE experts) is recorded as a *consumer* of that parameter along that axis. Any
+  other use (a residual add, RoPE, attention scores, an activation, a model output) is recorded with the op
+  and module that made it.
+
+After the forward the hooks are removed, the module modes restored, and the sources are probed
+(``probe.py``); only those that behave as norms become ``NormSite``s. A norm is foldable when every use of
+its output is a consumer, its scale is one value per feature, and (for a bias) every consumer adds a bias.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from normswap import dimmap
+from normswap.probe import is_candidate, probe_module
+from normswap.sites import Consumer, NormSite
+
+_LINEAR_OPS = {"linear", "matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm", "_grouped_mm", "grouped_mm",
+               "grouped_mm_fallback"}  # fmt: skip
+_ADD_OPS = {"add", "add_", "__add__", "__iadd__", "__radd__"}
+_SCALAR_OPS = {"mul", "__mul__", "__rmul__", "div", "__truediv__", "neg", "__neg__"}
+_IGNORED = {"size", "dim", "numel", "stride", "data_ptr", "is_floating_point", "is_contiguous", "__len__",
+            "element_size", "storage_offset", "get_device", "is_complex", "__format__", "__repr__",
+            "__hash__", "untyped_storage", "shape", "dtype", "device", "ndim", "grad_fn", "is_cuda",
+            "requires_grad", "is_leaf", "layout", "grad", "is_meta", "is_sparse", "is_quantized", "itemsize",
+            "nbytes", "names", "is_mps", "is_xpu", "__get__"}  # fmt: skip
+
+
+def _func_name(func) -> str:
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name == "__get__":  # a Tensor property: Tensor.T, Tensor.shape, ...
+        owner = getattr(func, "__self__", None)
+        name = getattr(owner, "__name__", name)
+    if hasattr(func, "_schema"):  # torch.ops.ns.op.overload
+        name = str(func._schema.name).split("::")[-1]
+    return name
+
+
+@dataclass
+class _Tag:
+    source: int  # index into Walk.calls
+    dims: dimmap.DimMap  # dims of this tensor -> axes of the source output
+    base_ndim: int
+
+    def feature_axis(self) -> int | None:
+        for i, d in enumerate(self.dims):
+            if d == self.base_ndim - 1:
+                return i
+        return None
+
+
+@dataclass
+class _PRef:
+    param: str  # qualified parameter name
+    dims: dimmap.DimMap
+
+
+@dataclass
+class Use:
+    """One use of a source's output seen in the trace: a consumer, or the reason it is not one."""
+
+    op: str
+    module: str
+    consumer: Consumer | None = None
+    reason: str | None = None
+
+
+@dataclass
+class SourceCall:
+    module: str
+    input_shape: tuple[int, ...]
+    uses: list[Use] = field(default_factory=list)
+
+
+@dataclass
+class Walk:
+    """What one traced forward saw.
+
+    Attributes:
+        sites: the norms found, in execution order, with consumers and foldability.
+        param_uses: for each parameter name, the (op, module) pairs that used it in the trace.
+        owners: for each parameter name, every ``(module_name, attribute)`` holding that Parameter object.
+        untouched: names of 2-D+ parameters no op used (e.g. experts that got no tokens); a fold never
+            depends on them, but a consumer hidden among them would not be seen.
+    """
+
+    sites: list[NormSite]
+    param_uses: dict[str, list[tuple[str, str]]]
+    owners: dict[str, list[tuple[str, str]]]
+    untouched: list[str]
+
+
+class _Tracer(TorchFunctionMode):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        self.param_names: dict[int, str] = {}
+        self.owners: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        for mod_name, mod in model.named_modules(remove_duplicate=False):
+            for attr, p in mod._parameters.items():
+                if p is None:
+                    continue
+                qual = self.param_names.setdefault(id(p), f"{mod_name}.{attr}" if mod_name else attr)
+                if (mod_name, attr) not in self.owners[qual]:
+                    self.owners[qual].append((mod_name, attr))
+        self.pref: dict[int, _PRef] = {
+            id(p): _PRef(self.param_names[id(p)], dimmap.identity(p.ndim))
+            for p in model.parameters()
+        }
+        self.tags: dict[int, list[_Tag]] = {}
+        self.keep: list[torch.Tensor] = []  # holds tagged tensors alive so ids are not reused
+        self.calls: list[SourceCall] = []
+        self.call_of: dict[int, int] = {}  # id(module) -> index of first call (one site per module)
+        self.stack: list[str] = []
+        self.param_uses: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        self.results: dict[int, list[Consumer]] = {}  # id(op output) -> consumers that produced it
+        self.module_of_call: list[nn.Module] = []
+
+    # -- module hooks -------------------------------------------------------------------------------------
+    def pre_hook(self, module, args):
+        self.stack.append(self.names.get(id(module), type(module).__name__))
+
+    def post_hook(self, module, args, output):
+        if self.stack:
+            self.stack.pop()
+        if id(module) not in self.names or self.names[id(module)] == "":
+            return
+        if len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
+            return
+        x = args[0]
+        if not x.is_floating_point() or output.shape != x.shape or x.ndim < 1:
+            return
+        if not is_candidate(module, tuple(x.shape)):
+            return
+        index = self.call_of.get(id(module))
+        if index is None:
+            index = len(self.calls)
+            self.call_of[id(module)] = index
+            self.calls.append(SourceCall(self.names[id(module)], tuple(x.shape)))
+            self.module_of_call.append(module)
+        self._tag(output, _Tag(index, dimmap.identity(output.ndim), output.ndim))
+
+    # -- tagging ------------------------------------------------------------------------------------------
+    def _tag(self, t: torch.Tensor, tag: _Tag) -> None:
+        tags = self.tags.setdefault(id(t), [])
+        if tag not in tags:
+            tags.append(tag)
+        self.keep.append(t)
+
+    def _module(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+    def _use(self, tag: _Tag, op: str, reason: str | None = None, consumer: Consumer | None = None) -> None:
+        self.calls[tag.source].uses.append(Use(op, self._module(), consumer, reason))
+
+    def _nonlinear(self, tags: list[_Tag], op: str, why: str | None = None) -> None:
+        where = f" in {self._module()}" if self._module() else ""
+        for tag in tags:
+            self._use(tag, op, reason=why or f"feeds {op}{where}")
+
+    # -- the mode -----------------------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = _func_name(func)
+        if name in _IGNORED:
+            return out
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        tagged = [(a, self.tags[id(a)]) for a in tensors if id(a) in self.tags]
+        prefs = [(a, self.pref[id(a)]) for a in tensors if id(a) in self.pref]
+        if not tagged and not prefs:
+            return out
+        if name in _LINEAR_OPS:
+            self._linear(name, args, kwargs, out)
+        elif name in _ADD_OPS and not tagged and id(args[0]) in self.results:
+            self._bias(args, out)
+        elif self._propagate(name, args, kwargs, out, tagged, prefs):
+            pass
+        else:
+            for _, tags in tagged:
+                self._nonlinear(tags, name)
+            for _, ref in prefs:
+                self.param_uses[ref.param].append((name, self._module()))
+        return out
+
+    def _propagate(self, name, args, kwargs, out, tagged, prefs) -> bool:
+        """Follow shape-only, value-preserving ops; True when handled."""
+        if not args or not isinstance(args[0], torch.Tensor):
+            return False
+        src = args[0]
+        if id(src) not in self.tags and id(src) not in self.pref:
+            return False
+        if any(id(a) in self.tags for a, _ in tagged if a is not src):
+            return False  # two tagged operands: a real combination of values
+        if name in dimmap.SAME_SHAPE or name in _SCALAR_OPS:
+            if name in _SCALAR_OPS and any(isinstance(a, torch.Tensor) and a.ndim > 0 for a in args[1:]):
+                return False
+            if name.startswith("dropout") or name.endswith("dropout"):
+                if kwargs.get("training", args[2] if len(args) > 2 else True) and (
+                    kwargs.get("p", args[1] if len(args) > 1 else 0.5) > 0
+                ):
+                    return False
+            if isinstance(out, torch.Tensor) and out.shape == src.shape:
+                return self._derive(src, out, lambda d: d)
+            return False
+        if name in dimmap.RESHAPE or name == "expand" or name == "expand_as":
+            if not isinstance(out, torch.Tensor):
+                return False
+            if name in ("expand", "expand_as"):
+                lead = out.ndim - src.ndim
+                return self._derive(
+                    src,
+                    out,
+                    lambda d: (None,) * lead
+                    + tuple(d[i] if src.shape[i] == out.shape[lead + i] else None for i in range(src.ndim)),
+                )
+            return self._derive(src, out, lambda d: dimmap.after_reshape(d, src.shape, out.shape))
+        if name in dimmap.TRANSPOSE:
+            if name in ("t", "T", "mT") or (name in ("transpose", "swapaxes", "swapdims")):
+                if name in ("t", "T"):
+                    a, b = 0, src.ndim - 1
+                elif name == "mT":
+                    a, b = src.ndim - 2, src.ndim - 1
+                else:
+                    a, b = (kwargs.get("dim0", args[1] if len(args) > 1 else None),
+                            kwargs.get("dim1", args[2] if len(args) > 2 else None))  # fmt: skip
+                a, b = a % src.ndim, b % src.ndim
+                return self._derive(src, out, lambda d: dimmap.after_transpose(d, a, b))
+            order = args[1:] if len(args) > 2 else (args[1] if len(args) > 1 else kwargs.get("dims"))
+            order = [o % src.ndim for o in order]
+            return self._derive(src, out, lambda d: dimmap.after_permute(d, order))
+        if name == "__getitem__":
+            return self._derive(src, out, lambda d: dimmap.after_getitem(d, src.shape, args[1]))
+        if name == "index_select":
+            dim = (kwargs.get("dim", args[1])) % src.ndim
+            return self._derive(src, out, lambda d: tuple(None if i == dim else v for i, v in enumerate(d)))
+        if name in dimmap.SPLIT and isinstance(out, tuple | list):
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else 0) % src.ndim
+            for piece in out:
+                if name == "unbind":
+                    self._derive(src, piece, lambda d: tuple(v for i, v in enumerate(d) if i != dim))
+                else:
+                    self._derive(src, piece, lambda d: tuple(None if i == dim else v for i, v in enumerate(d)))
+            return True
+        return False
+
+    def _derive(self, src, out, fn) -> bool:
+        if not isinstance(out, torch.Tensor):
+            return False
+        if id(src) in self.pref:
+            ref = self.pref[id(src)]
+            dims = fn(ref.dims)
+            if dims is None or len(dims) != out.ndim:
+                return False
+            self.pref[id(out)] = _PRef(ref.param, dims)
+            self.keep.append(out)
+            return True
+        ok = True
+        for tag in self.tags[id(src)]:
+            dims = fn(tag.dims)
+            if dims is None or len(dims) != out.ndim or _Tag(tag.source, dims, tag.base_ndim).feature_axis() is None:
+                self._nonlinear([tag], "reshape", f"is reshaped or sliced across its feature axis in {self._module()}")
+                ok = False
+                continue
+            self._tag(out, _Tag(tag.source, dims, tag.base_ndim))
+        return True
+
+    def _linear(self, name, args, kwargs, out) -> None:
+        if name in ("addmm", "baddbmm"):
+            bias, left, right = args[0], args[1], args[2]
+            if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
+                bias = None
+        elif name == "linear":
+            left, right = args[0], (args[1] if len(args) > 1 else kwargs["weight"])
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            right_axis = right.ndim - 1  # F.linear contracts x[..., k] with weight[:, k]
+        else:
+            left, right = args[0], (args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2")))
+            bias = None
+        if name != "linear":
+            right_axis = right.ndim - 2 if right.ndim >= 2 else 0
+        consumers = []
+        for act, act_axis, weight, w_axis in ((left, left.ndim - 1, right, right_axis),):
+            tags = self.tags.get(id(act), [])
+            ref = self.pref.get(id(weight))
+            if id(weight) in self.tags:
+                self._nonlinear(self.tags[id(weight)], name, f"is the right operand of {name} in {self._module()}")
+            for tag in tags:
+                if ref is None:
+                    self._nonlinear([tag], name, f"is multiplied by an activation ({name}) in {self._module()}")
+                    continue
+                base_axis = ref.dims[w_axis] if w_axis < len(ref.dims) else None
+                if tag.feature_axis() != act_axis or base_axis is None:
+                    self._nonlinear([tag], name, f"feeds {name} along another axis in {self._module()}")
+                    continue
+                bias_ref = self.pref.get(id(bias)) if isinstance(bias, torch.Tensor) else None
+                consumer = Consumer(
+                    module=self._consumer_module(ref.param),
+                    param=ref.param,
+                    op=name,
+                    axis=base_axis,
+                    bias=bias_ref.param if bias_ref else None,
+                )
+                self._use(tag, name, consumer=consumer)
+                consumers.append(consumer)
+            if ref is not None:
+                self.param_uses[ref.param].append((name, self._module()))
+        if isinstance(bias, torch.Tensor) and id(bias) in self.pref:
+            self.param_uses[self.pref[id(bias)].param].append((name, self._module()))
+        if consumers and isinstance(out, torch.Tensor):
+            self.results[id(out)] = consumers
+            self.keep.append(out)
+
+    def _bias(self, args, out) -> None:
+        """``linear_out + param`` right after a consumer op: that parameter is the consumer's bias."""
+        other = args[1] if len(args) > 1 else None
+        ref = self.pref.get(id(other)) if isinstance(other, torch.Tensor) else None
+        if ref is None:
+            return
+        for consumer in self.results[id(args[0])]:
+            if consumer.bias is None:
+                consumer.bias = ref.param
+        self.param_uses[ref.param].append(("add", self._module()))
+
+    def _consumer_module(self, param: str) -> str:
+        owners = self.owners.get(param, [])
+        for frame in reversed(self.stack):
+            for mod, _ in owners:
+                if mod == frame:
+                    return mod
+        return owners[0][0] if owners else param.rsplit(".", 1)[0]
+
+
+def _example_inputs(model: nn.Module, input_ids: torch.Tensor | None) -> dict:
+    config = model.config
+    if input_ids is None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab = int(getattr(text, "vocab_size", None) or 128)
+        gen = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(0, vocab, (2, 16), generator=gen)
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    inputs = {"input_ids": input_ids.to(device), "use_cache": False}
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = inputs["input_ids"]
+    return inputs
+
+
+def trace(model: nn.Module, input_ids: torch.Tensor | None = None) -> tuple[_Tracer, object]:
+    """Run one forward of ``model`` under the tracer and return it with the model's output."""
+    tracer = _Tracer(model)
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    handles = [
+        nn.modules.module.register_module_forward_pre_hook(tracer.pre_hook),
+        nn.modules.module.register_module_forward_hook(tracer.post_hook),
+    ]
+    try:
+        with torch.no_grad(), tracer:
+            try:
+                output = model(**_example_inputs(model, input_ids))
+            except TypeError:
+                inputs = _example_inputs(model, input_ids)
+                inputs.pop("use_cache", None)
+                output = model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, mode in modes.items():
+            m.train(mode)
+    return tracer, output
+
+
+def walk(model: nn.Module, input_ids: torch.Tensor | None = None) -> Walk:
+    """Find the norms of ``model`` and what consumes each one's output.
+
+    Args:
+        model: any ``nn.Module`` whose forward takes ``input_ids`` (Hugging Face models); left exactly as it
+            was (parameters, modes, hooks).
+        input_ids: ``(batch, seq)`` int64 token ids for the trace; default 2 x 16 random ids from a fixed seed.
+
+    Returns:
+        A ``Walk`` with one ``NormSite`` per norm module, in the order the forward first called them.
+
+    Raises:
+        Whatever the model's forward raises on the example inputs.
+    """
+    tracer, output = trace(model, input_ids)
+    flat, _ = tree_flatten(output if not hasattr(output, "to_tuple") else output.to_tuple())
+    for t in flat:
+        if isinstance(t, torch.Tensor) and id(t) in tracer.tags:
+            tracer._nonlinear(tracer.tags[id(t)], "output", "is returned as a model output")
+    sites = _sites(tracer)
+    all_params = {name for name in tracer.owners}
+    used = set(tracer.param_uses)
+    untouched = sorted(
+        n for n in all_params - used if model.get_parameter(n).ndim >= 2 and not _is_norm_param(n, sites)
+    )
+    return Walk(sites=sites, param_uses=dict(tracer.param_uses), owners=dict(tracer.owners), untouched=untouched)
+
+
+def _is_norm_param(name: str, sites: list[NormSite]) -> bool:
+    return any(name in (f"{s.name}.{s.weight}", f"{s.name}.{s.bias}") for s in sites)
+
+
+def _sites(tracer: _Tracer) -> list[NormSite]:
+    found: list[tuple[SourceCall, NormSite]] = []
+    for call, module in zip(tracer.calls, tracer.module_of_call, strict=True):
+        site = probe_module(module, call.input_shape, call.module)
+        if site is not None:
+            found.append((call, site))
+    names = {site.name for _, site in found}
+    sites = []
+    for call, site in found:
+        # a parameter-free wrapper around a norm: keep the innermost module only
+        if any(other.startswith(site.name + ".") for other in names):
+            continue
+        site.consumers = [u.consumer for u in call.uses if u.consumer is not None]
+        reasons = [u.reason for u in call.uses if u.reason is not None]
+        site.foldable, site.reason = _foldability(site, call, reasons)
+        sites.append(site)
+    return sites
+
+
+def _foldability(site: NormSite, call: SourceCall, reasons: list[str]) -> tuple[bool, str | None]:
+    if reasons:
+        return False, f"output {reasons[0]}"
+    if site.weight is None and site.bias is None:
+        return False, "parameter-free norm: nothing to fold"
+    if not site.consumers:
+        return False, "output is never used by a linear map"
+    if len(site.shape) != 1:
+        return False, f"per-head scale of shape {tuple(site.shape)} does not map onto one consumer axis"
+    if site.bias is not None:
+        missing = sorted({c.module for c in site.consumers if c.bias is None})
+        if missing:
+            return False, f"consumer {missing[0]} has no bias to absorb the norm's bias"
+    return True, None
