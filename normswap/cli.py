@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -29,8 +30,9 @@ class _Group(click.Group):
 
 
 def _step(message: str) -> None:
-    """One progress line on stderr (stdout stays for results)."""
-    click.echo(f"normswap: {message}", err=True)
+    """One progress line on stderr, only when stderr is a terminal (scripts see results and errors only)."""
+    if sys.stderr.isatty():
+        click.echo(f"normswap: {message}", err=True)
 
 
 def _quiet_transformers() -> None:
@@ -147,7 +149,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
             report_dict,
             output,
             overwrite=overwrite,
-            input_path=loaded.info.path,
+            input_path=model,
         )
     if report is not None:
         _write_json(report, report_dict)
@@ -213,7 +215,7 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
         lines.append(f"untied:   {', '.join(untied)} (+{extra / 2**20:.1f} MiB)")
     check = report.get("check") or {}
     if check:
-        tol = check.get("tolerance") or {}
+        tol = {k: v for k, v in (check.get("tolerance") or {}).items() if not k.startswith("localize")}
         tol_text = ", ".join(f"{k} {v:g}" for k, v in tol.items() if isinstance(v, int | float))
         lines.append(
             f"check:    {check.get('tokens')} tokens, "
@@ -225,6 +227,8 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
         lines.append(f"          {verdict}" + (f" (tolerance: {tol_text})" if tol_text else ""))
         for failure in check.get("failures") or []:
             lines.append(f"          - {failure}")
+        if check.get("divergence"):
+            lines.append(f"          first divergence: {check['divergence'].get('description')}")
     if output is not None:
         lines.append(f"saved:    {output}")
     if report_path is not None:

@@ -111,10 +111,11 @@ def convert(
     result = walk(model, input_ids)
     if not result.sites:
         raise NormswapError(f"{_model_name(model)}: no normalization module found")
+    centering = None
     if norm == "rmsnorm":
         from normswap.center import center
 
-        center(model, result)
+        centering = center(model, result, input_ids, untie=untie, add_biases=fold)
     report = ConvertReport(
         model=_model_name(model), norm=norm, norms_found=len(result.sites), norms_folded=0, norms_swapped=0,
         sites=result.sites, untouched=result.untouched,
@@ -130,6 +131,9 @@ def convert(
         for site in result.sites:
             if site.foldable:
                 site.reason = "folding disabled by option"
+    if centering is not None:  # centering may untie an embedding written into the residual stream
+        report.untied = centering.untied + report.untied
+        report.untie_bytes += centering.untie_bytes
     if swap:
-        report.norms_swapped = swap_norms(model, result.sites)
+        report.norms_swapped = (centering.swap if centering else swap_norms)(model, result.sites)
     return report

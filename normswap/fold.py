@@ -44,31 +44,38 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True) -> FoldPlan:
     ``untie`` is true and the weight is held by several module attributes; otherwise the site is not folded.
     """
     result = FoldPlan()
-    claimed: dict[str, str] = {}
-    for site in walk.sites:
-        if not site.foldable:
-            continue
-        own_ops = {(c.op, c.module, c.param) for c in site.consumers}
+    foldable = [s for s in walk.sites if s.foldable]
+    sites_of: dict[str, set[str]] = {}
+    for site in foldable:
+        for c in site.consumers:
+            sites_of.setdefault(c.param, set()).add(site.name)
+    for site in foldable:
         to_untie: list[tuple[str, str]] = []
         blocked = None
-        for c in site.consumers:
-            others = [u for u in walk.param_uses.get(c.param, []) if (u[0], u[1], c.param) not in own_ops]
-            owner = next(((m, a) for m, a in walk.owners.get(c.param, []) if m == c.module), None)
-            claimed_by = claimed.get(c.param)
-            if claimed_by is not None and claimed_by != site.name:
-                blocked = f"consumer weight {c.param} also consumes {claimed_by}"
-            elif others:
-                if not untie:
-                    blocked = f"consumer weight {c.param} is shared with {others[0][1] or others[0][0]} (untying disabled)"
-                elif owner is None or len(walk.owners.get(c.param, [])) < 2:
-                    blocked = f"consumer weight {c.param} is also used by {others[0][0]} in {others[0][1]}"
+        for param in dict.fromkeys(c.param for c in site.consumers):
+            module = next(c.module for c in site.consumers if c.param == param)
+            own = sum(c.param == param for c in site.consumers)  # one record per op call
+            uses = walk.param_uses.get(param, [])
+            owners = walk.owners.get(param, [])
+            owner = next(((m, a) for m, a in owners if m == module), None)
+            elsewhere = [u for u in uses if u[1] != module]
+            if len(sites_of[param]) > 1:
+                others = sorted(sites_of[param] - {site.name})
+                blocked = f"consumer weight {param} also consumes the norm {others[0]}"
+            elif len(uses) > own:
+                user = f"{elsewhere[0][0]} in {elsewhere[0][1]}" if elsewhere else f"another call of {module}"
+                if not untie and elsewhere:
+                    blocked = f"consumer weight {param} is shared with {user} (untying disabled)"
+                elif owner is None or len(owners) < 2 or not elsewhere:
+                    blocked = f"consumer weight {param} is also used by {user}"
                 elif owner not in to_untie:
                     to_untie.append(owner)
+            if blocked:
+                break
         if blocked:
             site.foldable, site.reason = False, blocked
             continue
         for c in site.consumers:
-            claimed[c.param] = site.name
             owner = next(((m, a) for m, a in walk.owners.get(c.param, []) if m == c.module), None)
             if owner in to_untie:  # after untying, the consumer's weight is its own attribute
                 c.param = f"{owner[0]}.{owner[1]}" if owner[0] else owner[1]
@@ -115,14 +122,32 @@ def _untie_config(model: nn.Module) -> None:
 
 def scale_and_shift(site: NormSite, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The norm's effective float64 scale ``offset + w`` (shape ``(D,)``) and bias ``b`` (or None)."""
-    w = getattr(module, site.weight).detach().double() if site.weight else torch.zeros(site.shape, dtype=torch.float64)
+    w = (
+        getattr(module, site.weight).detach().double()
+        if site.weight
+        else torch.zeros(site.shape, dtype=torch.float64)
+    )
     b = getattr(module, site.bias).detach().double() if site.bias else None
     return w + site.offset, b
+
+
+_CHUNK = 1 << 22  # elements per float64 block: bounds the temporary memory of a fold to 32 MiB
+
+
+def _blocks(weight: torch.Tensor, axis: int):
+    """Slices of ``weight`` along a dim other than ``axis``, each at most ~``_CHUNK`` elements."""
+    dim = 0 if axis != 0 or weight.ndim == 1 else 1
+    step = max(1, _CHUNK // max(1, weight.numel() // weight.shape[dim]))
+    for start in range(0, weight.shape[dim], step):
+        yield dim, start, min(step, weight.shape[dim] - start)
 
 
 @torch.no_grad()
 def fold_site(model: nn.Module, site: NormSite) -> None:
     """Fold one foldable site into its consumers and reset the norm to its identity parameters, in place.
+
+    The float64 arithmetic runs in blocks of rows, so folding into a large ``lm_head`` costs at most a
+    32 MiB temporary, not a float64 copy of the weight.
 
     Raises:
         ValueError: a consumer bias does not have the shape ``W b`` gives (the fold would not be exact).
@@ -135,16 +160,19 @@ def fold_site(model: nn.Module, site: NormSite) -> None:
             continue
         seen.add((c.param, c.axis))
         weight = model.get_parameter(c.param)
-        w64 = weight.detach().double()
         if shift is not None and c.bias is not None:
             bias = model.get_parameter(c.bias)
-            delta = torch.tensordot(w64, shift, dims=([c.axis], [0]))
+            delta = torch.tensordot(weight.detach().double(), shift, dims=([c.axis], [0]))
             if delta.shape != bias.shape:
-                raise ValueError(f"{site.name}: bias {c.bias} has shape {tuple(bias.shape)}, W b has {tuple(delta.shape)}")
+                raise ValueError(
+                    f"{site.name}: bias {c.bias} has shape {tuple(bias.shape)}, W b has {tuple(delta.shape)}"
+                )
             bias.copy_((bias.detach().double() + delta).to(bias.dtype))
         shape = [1] * weight.ndim
         shape[c.axis] = -1
-        weight.copy_((w64 * scale.reshape(shape)).to(weight.dtype))
+        for dim, start, length in _blocks(weight, c.axis):
+            block = weight.narrow(dim, start, length)
+            block.copy_((block.double() * scale.reshape(shape)).to(weight.dtype))
     if site.weight:
         getattr(norm, site.weight).fill_(1.0 - site.offset)
     if site.bias:

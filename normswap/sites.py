@@ -78,7 +78,7 @@ class NormSite:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "NormSite":
+    def from_dict(cls, d: dict[str, Any]) -> NormSite:
         d = dict(d)
         d.pop("consumers", None)
         ops = [Consumer(**c) for c in d.pop("consumer_ops", [])]

@@ -41,7 +41,14 @@ _IGNORED = {"size", "dim", "numel", "stride", "data_ptr", "is_floating_point", "
             "element_size", "storage_offset", "get_device", "is_complex", "__format__", "__repr__",
             "__hash__", "untyped_storage", "shape", "dtype", "device", "ndim", "grad_fn", "is_cuda",
             "requires_grad", "is_leaf", "layout", "grad", "is_meta", "is_sparse", "is_quantized", "itemsize",
-            "nbytes", "names", "is_mps", "is_xpu", "__get__"}  # fmt: skip
+            "nbytes", "names", "is_mps", "is_xpu", "__get__",
+            # ops that read only the shape, dtype or device of a tensor, never its values
+            "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+            "new_zeros", "new_ones", "new_empty", "new_full", "_has_compatible_shallow_copy_type",
+            "__set__"}  # fmt: skip
+# Ops whose tensor arguments after the first donate only a dtype or shape (``x.type_as(other)``).
+_DONOR_OPS = {"type_as", "to", "view_as", "reshape_as", "expand_as"}
+_MATMUL_OPS = {"matmul", "__matmul__", "mm", "bmm"}
 
 
 def _func_name(func) -> str:
@@ -121,6 +128,7 @@ class _Tracer(TorchFunctionMode):
                 qual = self.param_names.setdefault(id(p), f"{mod_name}.{attr}" if mod_name else attr)
                 if (mod_name, attr) not in self.owners[qual]:
                     self.owners[qual].append((mod_name, attr))
+        self.params: dict[str, torch.Tensor] = {self.param_names[id(p)]: p for p in model.parameters()}
         self.pref: dict[int, _PRef] = {
             id(p): _PRef(self.param_names[id(p)], dimmap.identity(p.ndim))
             for p in model.parameters()
@@ -183,15 +191,17 @@ class _Tracer(TorchFunctionMode):
         name = _func_name(func)
         if name in _IGNORED:
             return out
-        flat, _ = tree_flatten((args, kwargs))
+        flat, _ = tree_flatten((args[:1], {}) if name in _DONOR_OPS else (args, kwargs))
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
         tagged = [(a, self.tags[id(a)]) for a in tensors if id(a) in self.tags]
         prefs = [(a, self.pref[id(a)]) for a in tensors if id(a) in self.pref]
         if not tagged and not prefs:
+            if tensors and id(tensors[0]) in self.results and name in dimmap.SAME_SHAPE | dimmap.RESHAPE:
+                self._keep_result(self.results[id(tensors[0])], out)  # e.g. bmm(...).squeeze(-1)
             return out
         if name in _LINEAR_OPS:
             self._linear(name, args, kwargs, out)
-        elif name in _ADD_OPS and not tagged and id(args[0]) in self.results:
+        elif name in _ADD_OPS and not tagged and self._is_result_plus_param(args):
             self._bias(args, out)
         elif self._propagate(name, args, kwargs, out, tagged, prefs):
             pass
@@ -250,6 +260,12 @@ class _Tracer(TorchFunctionMode):
             return self._derive(src, out, lambda d: dimmap.after_permute(d, order))
         if name == "__getitem__":
             return self._derive(src, out, lambda d: dimmap.after_getitem(d, src.shape, args[1]))
+        if name == "repeat_interleave":  # copies along one axis; dim=None flattens (not followed)
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+            if dim is None:
+                return False
+            dim %= src.ndim
+            return self._derive(src, out, lambda d: tuple(None if i == dim else v for i, v in enumerate(d)))
         if name == "index_select":
             dim = (kwargs.get("dim", args[1])) % src.ndim
             return self._derive(src, out, lambda d: tuple(None if i == dim else v for i, v in enumerate(d)))
@@ -298,12 +314,19 @@ class _Tracer(TorchFunctionMode):
             bias = None
         if name != "linear":
             right_axis = right.ndim - 2 if right.ndim >= 2 else 0
+        # (activation, its contracted axis, weight, the weight's contracted axis): x @ W, and for plain
+        # matrix products also W @ x (transformers' batched experts run bmm(weight, x.unsqueeze(-1))).
+        pairs = [(left, left.ndim - 1, right, right_axis)]
+        if name in _MATMUL_OPS and right.ndim >= 2:
+            pairs.append((right, right.ndim - 2, left, left.ndim - 1))
+        elif id(right) in self.tags:
+            self._nonlinear(self.tags[id(right)], name, f"is the right operand of {name} in {self._module()}")
         consumers = []
-        for act, act_axis, weight, w_axis in ((left, left.ndim - 1, right, right_axis),):
+        for ref in {self.pref[id(t)].param: self.pref[id(t)] for t in (left, right) if id(t) in self.pref}.values():
+            self.param_uses[ref.param].append((name, self._module()))
+        for act, act_axis, weight, w_axis in pairs:
             tags = self.tags.get(id(act), [])
             ref = self.pref.get(id(weight))
-            if id(weight) in self.tags:
-                self._nonlinear(self.tags[id(weight)], name, f"is the right operand of {name} in {self._module()}")
             for tag in tags:
                 if ref is None:
                     self._nonlinear([tag], name, f"is multiplied by an activation ({name}) in {self._module()}")
@@ -322,22 +345,33 @@ class _Tracer(TorchFunctionMode):
                 )
                 self._use(tag, name, consumer=consumer)
                 consumers.append(consumer)
-            if ref is not None:
-                self.param_uses[ref.param].append((name, self._module()))
         if isinstance(bias, torch.Tensor) and id(bias) in self.pref:
             self.param_uses[self.pref[id(bias)].param].append((name, self._module()))
-        if consumers and isinstance(out, torch.Tensor):
+        if consumers:
+            self._keep_result(consumers, out)
+
+    def _keep_result(self, consumers: list[Consumer], out) -> None:
+        if isinstance(out, torch.Tensor):
             self.results[id(out)] = consumers
             self.keep.append(out)
 
+    def _is_result_plus_param(self, args) -> bool:
+        pair = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+        return len(pair) == 2 and any(id(a) in self.results for a in pair) and any(id(a) in self.pref for a in pair)
+
     def _bias(self, args, out) -> None:
-        """``linear_out + param`` right after a consumer op: that parameter is the consumer's bias."""
-        other = args[1] if len(args) > 1 else None
-        ref = self.pref.get(id(other)) if isinstance(other, torch.Tensor) else None
-        if ref is None:
-            return
-        for consumer in self.results[id(args[0])]:
-            if consumer.bias is None:
+        """``linear_out + param`` right after a consumer op: that parameter is the consumer's bias.
+
+        Recorded only when the parameter has exactly the shape ``W b`` has (the weight's shape without the
+        contracted axis), so a fold can add ``W b`` to it; any other added parameter leaves the consumer
+        without a bias, which keeps a norm with a bias unfolded (safe)."""
+        result, other = (args[0], args[1]) if id(args[0]) in self.results else (args[1], args[0])
+        ref = self.pref[id(other)]
+        param_shape = tuple(self.params[ref.param].shape)
+        for consumer in self.results[id(result)]:
+            weight_shape = list(self.params[consumer.param].shape)
+            del weight_shape[consumer.axis]
+            if consumer.bias is None and tuple(weight_shape) == param_shape:
                 consumer.bias = ref.param
         self.param_uses[ref.param].append(("add", self._module()))
 
@@ -351,7 +385,7 @@ class _Tracer(TorchFunctionMode):
 
 
 def _example_inputs(model: nn.Module, input_ids: torch.Tensor | None) -> dict:
-    config = model.config
+    config = getattr(model, "config", None)
     if input_ids is None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         vocab = int(getattr(text, "vocab_size", None) or 128)

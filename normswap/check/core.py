@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .localize import Capture, Probe, localize, plan_probes
+from .localize import Capture, Probe, localize, plan_probes, rel_errors
 from .metrics import (
     LogitSummary,
     hidden_metrics,
@@ -37,7 +37,9 @@ class Reference:
         summary: :class:`LogitSummary` of the logits when ``outputs`` is ``None``.
         upcast: for half-precision models, the float32-upcast original's outputs (or their summary).
         original_error: for half-precision models, the original's own metrics against ``upcast``.
-        probes, captures: the localization plan and the original's sampled records (see ``localize``).
+        probes, captures: the localization plan and the original's sampled records (see ``localize``);
+            for half precision the records of the float32-upcast run.
+        captures_error: half precision: the original's own relative error per record against ``captures``.
         sites: the ``NormSite`` records or names given.
         greedy: ``(B, N)`` long, the original's greedy continuation, or ``None``.
         peak_rss_mib: process peak resident memory when the reference was done.
@@ -52,6 +54,7 @@ class Reference:
     original_error: dict | None = None
     probes: list[Probe] = field(default_factory=list)
     captures: dict[str, torch.Tensor] = field(default_factory=dict)
+    captures_error: dict[str, float] | None = None
     sites: list = field(default_factory=list)
     greedy: torch.Tensor | None = None
     peak_rss_mib: float = 0.0
@@ -238,8 +241,10 @@ def reference_outputs(
     ref = Reference(input_ids, kind, dtype, *_keep(outputs, targets, kind, max_logits_bytes))
     ref.probes, ref.captures, ref.sites = probes, cap.records, list(sites or [])
     if dtype in HALF:
-        with upcast(model):
+        with upcast(model), Capture(model, probes, input_ids) as cap32:
             _, up = _forward(model, input_ids)
+        ref.captures_error = rel_errors(cap32.records, ref.captures)
+        ref.captures = cap32.records
         ref.original_error = _metrics(kind, up, outputs, targets)
         del outputs
         ref.upcast = _keep(up, targets, kind, max_logits_bytes)
@@ -300,7 +305,13 @@ def compare(
     divergence = None
     if reference.probes:
         divergence = localize(
-            reference.probes, reference.captures, cap.records, tol["localize_rtol"], sites or reference.sites
+            reference.probes,
+            reference.captures,
+            cap.records,
+            tol["localize_rtol"],
+            sites or reference.sites,
+            own=reference.captures_error,
+            k=tol.get("k", 0.0),
         )
     greedy = None
     if reference.greedy is not None:

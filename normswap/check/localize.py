@@ -148,16 +148,35 @@ def _action(site) -> str:
     return f"{text} ({site.reason})" if site.reason else text
 
 
+def rel_errors(ref: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> dict[str, float]:
+    """``||other - ref||_F / ||ref||_F`` per record key (``inf`` where missing or of another shape)."""
+    out = {}
+    for key, a in ref.items():
+        b = other.get(key)
+        ok = b is not None and b.shape == a.shape
+        out[key] = ((b - a).norm() / a.norm().clamp(min=1e-300)).item() if ok else float("inf")
+    return out
+
+
 def localize(
-    probes: list[Probe], ref: dict[str, torch.Tensor], conv: dict[str, torch.Tensor], rtol: float, sites=()
+    probes: list[Probe],
+    ref: dict[str, torch.Tensor],
+    conv: dict[str, torch.Tensor],
+    rtol: float,
+    sites=(),
+    own: dict[str, float] | None = None,
+    k: float = 0.0,
 ) -> dict | None:
-    """First probe point, in the reference's execution order, whose relative error exceeds ``rtol``.
+    """First probe point, in the reference's execution order, whose relative error exceeds its threshold.
 
     Args:
         probes: the plan both captures used.
-        ref, conv: ``Capture.records`` of the original and the converted model.
-        rtol: threshold on ``||conv - ref||_F / ||ref||_F``.
+        ref, conv: ``Capture.records`` of the original (float32-upcast for half precision) and the converted
+            model.
+        rtol: threshold on ``||conv - ref||_F / ||ref||_F``; with ``own``, the absolute term of it.
         sites: ``NormSite`` records (or names) used to describe the site: consumers and what was done.
+        own, k: half precision: the original's own relative error per record against the upcast reference;
+            the threshold at a point is then ``k * own[point] + rtol`` (the logits policy, per point).
 
     Returns:
         ``None`` when every point matches, else a dict: ``site``, ``layer``, ``point`` (``"module:where"``),
@@ -168,16 +187,12 @@ def localize(
     by_key = {(p.module, p.where): p for p in probes}
     site_by_name = {_site_name(s): s for s in sites or ()}
     last_match = None
-    for key, a in ref.items():
+    for key, rel in rel_errors(ref, conv).items():
         module, rest = key.split(":", 1)
         where = rest.split("#", 1)[0]
         probe = by_key.get((module, where))
-        b = conv.get(key)
-        if b is None or b.shape != a.shape:
-            rel = float("inf")
-        else:
-            rel = ((b - a).norm() / a.norm().clamp(min=1e-300)).item()
-        if rel <= rtol:
+        threshold = rtol + (k * own.get(key, 0.0) if own else 0.0)
+        if rel <= threshold:
             last_match = key
             continue
         site = site_by_name.get(probe.site) if probe and probe.site else None
@@ -200,10 +215,10 @@ def localize(
             "point": f"{module}:{where}",
             "role": role,
             "rel_error": rel,
-            "threshold": rtol,
+            "threshold": threshold,
             "consumers": consumers,
             "action": _action(site) if probe and probe.site else None,
             "last_match": last_match,
-            "description": f"{what} (relative error {rel:.3g} > {rtol:.3g})",
+            "description": f"{what} (relative error {rel:.3g} > {threshold:.3g})",
         }
     return None

@@ -112,6 +112,20 @@ def logit_metrics(ref: torch.Tensor | LogitSummary, conv: torch.Tensor, targets:
             kl = lse_b - lse_a - torch.linalg.vecdot((a - lse_a[:, None]).exp_(), diff)
             tlp_a = _target_logprob(a, lse_a, tg)
             diff = diff.abs_()
+        else:
+            idx_a = ref.top_idx[s : s + step]
+            top_a = ref.top_logit[s : s + step]
+            lse_a = ref.lse[s : s + step]
+            b_sel = b.gather(1, idx_a)
+            diff = (b_sel - top_a).abs()
+            scale = top_a.abs().amax(dim=-1)
+            lp_a, lp_b = top_a - lse_a[:, None], b_sel - lse_b[:, None]
+            rest_a = ref.rest_logprob[s : s + step]
+            rest_b = torch.logsumexp(b.scatter(1, idx_a, -math.inf), dim=-1) - lse_b
+            has_rest = rest_a > -math.inf
+            rest_term = torch.where(has_rest, rest_a.exp() * (rest_a - rest_b), torch.zeros_like(rest_a))
+            kl = (lp_a.exp() * (lp_a - lp_b)).sum(-1) + rest_term
+            tlp_a = ref.target_logprob[s : s + step]
         row_max = diff.amax(dim=-1)
         acc["max_abs"] = max(acc["max_abs"], row_max.max().item())
         acc["sum_abs"] += diff.sum().item()
@@ -119,11 +133,10 @@ def logit_metrics(ref: torch.Tensor | LogitSummary, conv: torch.Tensor, targets:
         acc["max_rel"] = max(acc["max_rel"], (row_max / scale.clamp(min=1e-30)).max().item())
         acc["kl_sum"] += kl.sum().item()
         acc["kl_max"] = max(acc["kl_max"], kl.max().item())
-        top1_b = b.argmax(dim=-1)
-        same = top1_b == idx_a[:, 0]
+        idx_b5 = b.topk(min(5, vocab), dim=-1).indices
+        same = idx_b5[:, 0] == idx_a[:, 0]
         acc["top1"] += int(same.sum())
         flip_margins.append((top_a[:, 0] - top_a[:, 1])[~same] if top_a.shape[1] > 1 else top_a[:0, 0])
-        idx_b5 = b.topk(min(5, vocab), dim=-1).indices
         idx_a5 = idx_a[:, : idx_b5.shape[1]]
         acc["top5"] += (idx_a5[:, :, None] == idx_b5[:, None, :]).any(-1).double().mean(-1).sum().item()
         has = tg >= 0

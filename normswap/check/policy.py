@@ -23,8 +23,8 @@ HALF = ("bfloat16", "float16")
 DEFAULT_TOLERANCE: dict[str, dict[str, float]] = {
     "float64": {"max_abs": 1e-8, "top1": 1.0, "localize_rtol": 1e-10},
     "float32": {"max_abs": 2e-4, "top1": 1.0, "localize_rtol": 1e-5},
-    "bfloat16": {"k": 2.0, "abs": 0.05, "kl_abs": 1e-4, "localize_rtol": 5e-2},
-    "float16": {"k": 2.0, "abs": 0.01, "kl_abs": 1e-5, "localize_rtol": 1e-2},
+    "bfloat16": {"k": 2.0, "abs": 0.05, "kl_abs": 1e-4, "localize_rtol": 1e-2},
+    "float16": {"k": 2.0, "abs": 0.01, "kl_abs": 1e-5, "localize_rtol": 1e-3},
 }
 
 

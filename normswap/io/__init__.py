@@ -5,7 +5,6 @@
 * ``load_pretrained(path)`` -> model with normswap's fused norms in place
 """
 
-from normswap.io.fetch import SHORT_MODELS, cache_dir, fetch
 from normswap.io.load import LoadedModel, ModelInfo, Resolved, is_causal_lm, load_model, resolve
 from normswap.io.save import (
     MANIFEST,
@@ -16,6 +15,7 @@ from normswap.io.save import (
     report_dict,
     save_converted,
 )
+from normswap.io.shortnames import SHORT_MODELS, cache_dir, fetch
 
 __all__ = [
     "MANIFEST",

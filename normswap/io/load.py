@@ -4,7 +4,7 @@ MODEL may be
 * a local ``.gguf`` file (loaded with ``from_pretrained(folder, gguf_file=name)``, dequantized to float),
 * a local model directory (``config.json`` + weights; a directory holding exactly one ``.gguf`` file and no
   ``config.json`` counts as that file),
-* a short name from ``normswap.io.fetch.SHORT_MODELS`` (fetched once into normswap's cache),
+* a short name from ``normswap.io.shortnames.SHORT_MODELS`` (fetched once into normswap's cache),
 * a Hugging Face hub id (needs the hub or a local HF cache; set ``HF_HUB_OFFLINE=1`` to skip the network).
 
 Causal LMs load with ``AutoModelForCausalLM``; everything else (encoders such as BERT/MiniLM) with
@@ -14,7 +14,9 @@ Causal LMs load with ``AutoModelForCausalLM``; everything else (encoders such as
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import functools
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 
 from normswap.errors import NormswapError
-from normswap.io import fetch
+from normswap.io import shortnames
 
 DTYPES = {
     "float32": torch.float32,
@@ -126,8 +128,8 @@ def resolve(source: str | Path, *, download: bool = True) -> Resolved:
             return Resolved(source, "gguf", str(path.resolve()), ggufs[0].name)
         what = f"{len(ggufs)} .gguf files (pass one of them)" if ggufs else "no .gguf file"
         raise NormswapError(f"{source}: not a model directory (no config.json and {what})")
-    if source in fetch.SHORT_MODELS:
-        local = fetch.fetch(source) if download else fetch.cached_path(source)
+    if source in shortnames.SHORT_MODELS:
+        local = shortnames.fetch(source) if download else shortnames.cached_path(source)
         if local.suffix == ".gguf":
             return Resolved(source, "gguf", str(local.parent), local.name, short_name=source)
         return Resolved(source, "dir", str(local), short_name=source)
@@ -136,7 +138,7 @@ def resolve(source: str | Path, *, download: bool = True) -> Resolved:
     if _HUB_ID.fullmatch(source):
         return Resolved(source, "hub", source)
     raise NormswapError(
-        f"{source!r} is not a path, a short name ({', '.join(fetch.SHORT_MODELS)}) or a hub id"
+        f"{source!r} is not a path, a short name ({', '.join(shortnames.SHORT_MODELS)}) or a hub id"
     )
 
 
@@ -196,14 +198,19 @@ def _load_failure(resolved: Resolved, what: str, error: Exception) -> NormswapEr
         )
     if resolved.kind == "hub":
         hint = ""
-        close = difflib.get_close_matches(resolved.source, list(fetch.SHORT_MODELS), n=1)
+        close = difflib.get_close_matches(resolved.source, list(shortnames.SHORT_MODELS), n=1)
         if close:
             hint = f" (did you mean the short name {close[0]!r}?)"
         return NormswapError(
-            f"{resolved.source}: not a local path or short name ({', '.join(fetch.SHORT_MODELS)}), and the "
-            f"Hugging Face hub cannot provide it{hint}: {_first_line(error)}"
+            f"{resolved.source}: not a local path or short name ({', '.join(shortnames.SHORT_MODELS)}), "
+            f"and the Hugging Face hub cannot provide it{hint}: {_first_line(error)}"
         )
     where = resolved.local_path
+    if resolved.gguf_file and what != "tokenizer":
+        return NormswapError(
+            f"{resolved.source}: cannot read the GGUF file {where} (truncated or corrupt?): "
+            f"{_first_line(error)}"
+        )
     return NormswapError(f"{resolved.source}: cannot load the {what} from {where} ({_first_line(error)})")
 
 
@@ -223,6 +230,32 @@ def load_config(resolved: Resolved, *, trust_remote_code: bool = False):
         return AutoConfig.from_pretrained(resolved.path, **kwargs)
     except Exception as error:  # transformers raises OSError, ValueError, KeyError, gguf's own errors ...
         raise _load_failure(resolved, "config", error) from error
+
+
+@contextlib.contextmanager
+def _gguf_loading():
+    """Two adjustments to transformers' GGUF loader, undone when the block ends.
+
+    * ``gguf.get_tensor_name_map`` is memoized: transformers (5.24) rebuilds gguf's tensor-name map once
+      per module while matching GGUF tensor names to parameter names (about 400 times for SmolLM2), most
+      of the load time on a small CPU. The map is a pure function of (architecture, layer count) and is
+      only read, so the cache is exact.
+    * its per-tensor progress bar (plain ``tqdm``, which transformers' ``disable_progress_bar`` does not
+      reach) is shown only when stderr is a terminal, so scripts see normswap's own output only.
+    """
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    name_map, bar = gguf.get_tensor_name_map, getattr(gguf_utils, "tqdm", None)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=None)  # None: off unless a terminal
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = name_map
+        if bar is not None:
+            gguf_utils.tqdm = bar
 
 
 def load_model(
@@ -259,7 +292,8 @@ def load_model(
     if resolved.gguf_file:
         kwargs["gguf_file"] = resolved.gguf_file
     try:
-        model = auto.from_pretrained(resolved.path, config=config, dtype=dtype, **kwargs)
+        with _gguf_loading() if resolved.gguf_file else contextlib.nullcontext():
+            model = auto.from_pretrained(resolved.path, config=config, dtype=dtype, **kwargs)
     except Exception as error:
         raise _load_failure(resolved, "weights", error) from error
     model.eval()

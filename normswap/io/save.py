@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from normswap.errors import NormswapError
-from normswap.io import fetch
+from normswap.io import shortnames
 from normswap.io.load import ModelInfo, _load_failure, is_causal_lm, load_config, resolve, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,8 @@ def _protected_paths(source: str | os.PathLike | None) -> list[Path]:
     if source is None:
         return []
     text = str(source)
-    if text in fetch.SHORT_MODELS and not Path(text).exists():
-        return [(fetch.cache_dir() / text).resolve()]
+    if text in shortnames.SHORT_MODELS and not Path(text).exists():
+        return [(shortnames.cache_dir() / text).resolve()]
     path = Path(text).expanduser()
     return [path.resolve()] if path.exists() else []
 
@@ -141,6 +141,18 @@ def report_dict(report, info: ModelInfo | None = None) -> dict[str, Any]:
     return data
 
 
+def apply_umask(folder: Path) -> None:
+    """Give ``folder`` and everything in it the permissions a plain ``mkdir``/``open`` would have.
+
+    ``tempfile.mkdtemp`` makes private (0700) directories and safetensors writes 0600 files; a finished
+    checkpoint or cache entry should be as readable as any other file the user creates.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def _replace_dir(built: Path, out: Path, overwrite: bool) -> None:
     """Move the finished ``built`` directory to ``out`` with renames only (same filesystem)."""
     if not out.exists():
@@ -205,6 +217,7 @@ def save_converted(
         if tokenizer is not None:
             tokenizer.save_pretrained(built)
         (built / MANIFEST).write_text(json.dumps(report, indent=2) + "\n")
+        apply_umask(built)
         _replace_dir(built, out, overwrite)
     except OSError as error:
         raise NormswapError(f"cannot save to {out}: {error.strerror or error}") from error

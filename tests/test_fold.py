@@ -1,0 +1,181 @@
+"""Folding math against an independent float64 reference, untying, and convert's options.
+
+Tolerances: a correct float32 fold changes logits by rounding only (~1e-7 relative per weight), measured
+at ~3e-7 on these tiny models; every wrong fold seen in the field was off by >= 4e-3 (shared/FIELD-NOTES.md).
+1e-5 separates the two by more than an order of magnitude on each side.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import normswap
+from normswap.fold import fold_site
+from normswap.sites import Consumer, NormSite
+from normswap.zoo import example_ids, tiny_model
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+class _Block(nn.Module):
+    """A norm (1+w convention, with bias) feeding a linear with bias, in float64 for an exact reference."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8, dtype=torch.float64)
+        self.proj = nn.Linear(8, 5, dtype=torch.float64)
+
+
+def test_fold_site_matches_float64_algebra():
+    torch.manual_seed(0)
+    block = _Block()
+    with torch.no_grad():
+        block.norm.weight.uniform_(0.5, 1.5)
+        block.norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(7, 8, dtype=torch.float64)
+    expected = block.proj(block.norm(x))
+    site = NormSite(
+        name="norm", kind="layernorm", offset=0.0, eps=1e-5, weight="weight", bias="bias", shape=(8,),
+        cast_order="fp32", dtype="float64",
+        consumers=[Consumer(module="proj", param="proj.weight", op="linear", axis=1, bias="proj.bias")],
+        foldable=True,
+    )  # fmt: skip
+    fold_site(block, site)
+    assert torch.equal(block.norm.weight, torch.ones(8, dtype=torch.float64))
+    assert torch.equal(block.norm.bias, torch.zeros(8, dtype=torch.float64))
+    # float64 throughout: only rounding of the reassociated products remains.
+    torch.testing.assert_close(block.proj(block.norm(x)), expected, rtol=0, atol=1e-12)
+
+
+def test_fold_in_blocks_equals_one_shot(monkeypatch):
+    """The chunked float64 fold gives bit-identical weights to an unchunked one."""
+    import normswap.fold as fold
+
+    model_a = tiny_model("llama")
+    model_b = copy.deepcopy(model_a)
+    normswap.convert(model_a, swap=False)
+    monkeypatch.setattr(fold, "_CHUNK", 64)  # forces many blocks per weight
+    normswap.convert(model_b, swap=False)
+    for (name, a), (_, b) in zip(model_a.state_dict().items(), model_b.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma", "gpt2"])
+def test_convert_preserves_logits(model_type):
+    model = tiny_model(model_type)
+    ref = copy.deepcopy(model)
+    ids = example_ids()
+    report = normswap.convert(model)
+    assert report.norms_swapped == report.norms_found > 0
+    assert report.norms_folded >= 1
+    diff = (_logits(ref, ids) - _logits(model, ids)).abs().max().item()
+    assert diff <= 1e-5
+
+
+def test_fold_changes_weights_and_resets_norm_identity():
+    """A fold that silently did nothing would pass a logits test on a fresh model; check the weights moved."""
+    model = tiny_model("gemma", tie_word_embeddings=False)
+    before = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    w = model.model.layers[0].input_layernorm.weight.detach().double()
+    normswap.convert(model, swap=False)
+    after = model.model.layers[0].self_attn.q_proj.weight.detach()
+    torch.testing.assert_close(after.double(), before.double() * (1.0 + w), rtol=1e-6, atol=0)
+    # the (1+w) norm's identity is w = 0
+    assert torch.count_nonzero(model.model.layers[0].input_layernorm.weight) == 0
+
+
+def test_untie_false_keeps_shared_storage_and_still_matches():
+    """C7: skipping the lm_head fold keeps lm_head and the embedding on one storage."""
+    model = tiny_model("llama", tie_word_embeddings=True)
+    ref = copy.deepcopy(model)
+    ids = example_ids()
+    report = normswap.convert(model, untie=False)
+    assert report.untied == [] and report.untie_bytes == 0
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    final = next(s for s in report.sites if any(c.module == "lm_head" for c in s.consumers))
+    assert not final.folded and "untying disabled" in final.reason
+    assert (_logits(ref, ids) - _logits(model, ids)).abs().max().item() <= 1e-5
+
+
+def test_untie_reports_bytes_and_keeps_embedding_bit_identical():
+    """C4/C7: untying gives lm_head its own Parameter, reports its size, leaves the embedding alone."""
+    model = tiny_model("llama", tie_word_embeddings=True)
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    report = normswap.convert(model)
+    assert report.untied == ["lm_head.weight"]
+    assert report.untie_bytes == embedding.numel() * embedding.element_size()
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
+    assert model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+    assert model.config.tie_word_embeddings is False
+
+
+def test_fold_false_swaps_only_with_reason():
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    report = normswap.convert(model, fold=False)
+    assert report.norms_folded == 0 and report.norms_swapped == report.norms_found
+    assert all(s.reason == "folding disabled by option" for s in report.sites)
+    ids = example_ids()
+    assert (_logits(ref, ids) - _logits(model, ids)).abs().max().item() <= 1e-5
+
+
+def test_convert_rejects_unknown_norm_and_normless_model():
+    with pytest.raises(ValueError, match="norm must be one of"):
+        normswap.convert(tiny_model("llama"), norm="batchnorm")
+
+    class NoNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.out = nn.Linear(8, 16)
+
+        def forward(self, input_ids, **_):
+            return self.out(self.emb(input_ids))
+
+    with pytest.raises(normswap.NormswapError, match="no normalization module"):
+        normswap.convert(NoNorm(), input_ids=torch.randint(0, 16, (2, 4)))
+
+
+class _SharedConsumer(nn.Module):
+    """One Linear called on two different norms' outputs, and (optionally) on a raw activation too."""
+
+    def __init__(self, raw_use: bool):
+        super().__init__()
+        self.config = None
+        self.emb = nn.Embedding(32, 16)
+        self.norm_a = nn.LayerNorm(16)
+        self.norm_b = nn.LayerNorm(16)
+        self.proj = nn.Linear(16, 16)
+        self.raw_use = raw_use
+        with torch.no_grad():
+            for norm in (self.norm_a, self.norm_b):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, input_ids, **_):
+        h = self.emb(input_ids)
+        if self.raw_use:
+            return self.proj(self.norm_a(h)) + self.proj(h)
+        return self.proj(self.norm_a(h)) + self.proj(self.norm_b(h))
+
+
+@pytest.mark.parametrize("raw_use", [False, True])
+def test_weight_shared_by_two_uses_is_not_folded(raw_use):
+    """Folding norm_a into proj would also scale proj's other use: the fold must be refused, with a reason."""
+    model = _SharedConsumer(raw_use)
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids)
+    report = normswap.convert(model, input_ids=ids)
+    assert report.norms_found == (1 if raw_use else 2)
+    assert report.norms_folded == 0
+    assert all("proj.weight" in s.reason for s in report.sites)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), expected, rtol=0, atol=1e-5)

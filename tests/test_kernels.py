@@ -1,0 +1,585 @@
+"""normswap.kernels: every op and module against the transformers module it replaces and an fp64 formula.
+
+Tolerance policy (used throughout):
+
+* ``eager`` is HF's op sequence, and ``torch`` for LayerNorm is ``nn.LayerNorm``'s own kernel: where the
+  backend performs the same operations as the original module, outputs must be bit-identical.
+* Other backend/module pairs differ only in the float32 summation order of the row reduction. That moves
+  the pre-rounding value by a few float32 ulps (relative ~2**-22), which can flip the final half/bfloat16
+  rounding only for values that sit that close to a rounding boundary: at most 1 ulp, on a small fraction
+  of elements (measured: < 0.05%). A wrong cast order is *also* 1 ulp per element, but on 20-50% of them,
+  so "<= 1 ulp on <= 1% of elements" separates the two (``assert_ulp_close``).
+* float32 outputs: a few float32 ulps of the output scale (atol ``2**-20 * max|ref|``, i.e. 8 ulps of the
+  largest value); wrong math (eps, offset, weight) is off by far more, see ``test_eps_is_used``.
+* Against the float64 formula (with the cast order's intermediate roundings emulated): 2 ulps of the
+  output dtype (one intermediate and one final rounding) plus the same float32-scale floor, which covers
+  LayerNorm's cancellation in ``x - mean`` for outputs near zero.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from normswap.kernels import FusedLayerNorm, FusedRMSNorm, add_rms_norm, layer_norm, resolve_backend, rms_norm
+
+LOW = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CPU_BACKENDS = ("auto", "eager", "torch")  # "compiled" is exercised by the marked compile tests
+
+
+def ulp(v: torch.Tensor) -> torch.Tensor:
+    """Spacing of the dtype of ``v`` at ``|v|`` (as float64)."""
+    a = v.abs()
+    return (torch.nextafter(a, torch.full_like(a, float("inf"))) - a).double()
+
+
+def assert_ulp_close(out: torch.Tensor, ref: torch.Tensor, max_ulps: float = 1, max_frac: float = 0.01):
+    """Same dtype and shape; low precision: <= max_ulps everywhere and differing on <= max_frac of elements;
+    float32/64: within 8 ulps of the largest |ref| (see module docstring)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (out.dtype, ref.dtype, out.shape, ref.shape)
+    diff = (out.double() - ref.double()).abs()
+    if ref.dtype in LOW:
+        bound = max_ulps * torch.maximum(ulp(out), ulp(ref))
+        assert (diff <= bound).all(), f"max diff {diff.max().item():.3g} exceeds {max_ulps} ulp"
+        frac = (diff > 0).double().mean().item()
+        assert frac <= max_frac, f"{frac:.2%} of elements differ (cast order?)"
+    else:
+        atol = 2.0**-20 * ref.double().abs().max().item()
+        assert diff.max().item() <= atol, f"max diff {diff.max().item():.3g} > {atol:.3g}"
+
+
+def noise(shape, base=0.0, seed=0, dtype=torch.float32):
+    """``base + U(-0.5, 0.5)`` (the field cases' re-randomized norm parameters)."""
+    g = torch.Generator().manual_seed(seed)
+    return (base + torch.rand(shape, generator=g) - 0.5).to(dtype)
+
+
+def hidden(shape, dtype, seed=1):
+    """Hidden states ~ N(0, 3), as in case C2."""
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The transformers modules normswap replaces, each with the fused module of the same semantics.
+
+
+def _hf_cases():
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    D, H, HD = 96, 4, 32
+    # name -> (HF module factory, fused factory, input shape, backends that run the module's own ops)
+    return {
+        "LlamaRMSNorm": (
+            lambda: LlamaRMSNorm(D, eps=1e-6),
+            lambda: FusedRMSNorm((D,), 1e-6),
+            (2, 9, D),
+            {"auto", "eager", "torch"},
+        ),
+        "GemmaRMSNorm": (
+            lambda: GemmaRMSNorm(D, eps=1e-6),
+            lambda: FusedRMSNorm((D,), 1e-6, offset=1.0, cast_order="fp32"),
+            (2, 9, D),
+            {"auto", "eager", "torch"},
+        ),
+        "Gemma3RMSNorm": (
+            lambda: Gemma3RMSNorm(D, eps=1e-6),
+            lambda: FusedRMSNorm((D,), 1e-6, offset=1.0, cast_order="fp32"),
+            (2, 9, D),
+            {"auto", "eager", "torch"},
+        ),
+        # Qwen3's q_norm: a (head_dim,) RMSNorm applied to (batch, seq, heads, head_dim).
+        "Qwen3 q_norm": (
+            lambda: Qwen3RMSNorm(HD, eps=1e-6),
+            lambda: FusedRMSNorm((HD,), 1e-6),
+            (2, 9, H, HD),
+            {"auto", "eager", "torch"},
+        ),
+        "nn.LayerNorm": (
+            lambda: nn.LayerNorm(D, eps=1e-5),
+            lambda: FusedLayerNorm((D,), 1e-5),
+            (2, 9, D),
+            {"auto", "torch"},
+        ),
+        # OLMo: no parameters, eps hard-coded to 1e-5, float32 upcast.
+        "OlmoLayerNorm": (
+            lambda: OlmoLayerNorm(D),
+            lambda: FusedLayerNorm((D,), 1e-5, weight_name=None, bias_name=None),
+            (2, 9, D),
+            {"auto", "torch"},
+        ),
+        # Cohere's per-head q/k LayerNorm: weight (H, D), no bias, float32 multiply.
+        "CohereLayerNorm (H, D)": (
+            lambda: CohereLayerNorm((H, HD), eps=1e-5),
+            lambda: FusedLayerNorm((H, HD), 1e-5, bias_name=None),
+            (2, 9, H, HD),
+            {"eager"},
+        ),
+    }
+
+
+HF_CASES = list(_hf_cases())
+
+
+def _pair(name, dtype, backend, param_dtype=None):
+    """(HF module, fused module with the same randomized parameters, input) in ``dtype``."""
+    make_hf, make_fused, shape, _ = _hf_cases()[name]
+    hf, fused = make_hf(), make_fused()
+    with torch.no_grad():
+        for i, (pname, p) in enumerate(hf.named_parameters()):
+            base = 0.0 if (isinstance(fused, FusedRMSNorm) and fused.offset == 1.0) or "bias" in pname else 1.0
+            p.copy_(noise(p.shape, base, seed=10 + i))
+    hf.to(param_dtype or dtype)
+    fused.load_state_dict(hf.state_dict())
+    fused.to(param_dtype or dtype)
+    fused.backend = backend
+    return hf.requires_grad_(False), fused.requires_grad_(False), hidden(shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("name", HF_CASES)
+def test_matches_transformers_module(name, backend, dtype):
+    hf, fused, x = _pair(name, dtype, backend)
+    ref, out = hf(x), fused(x)
+    assert set(fused.state_dict()) == set(hf.state_dict())
+    if backend in _hf_cases()[name][3]:
+        assert out.dtype == ref.dtype and torch.equal(out, ref), (out - ref).abs().max()
+    else:
+        assert_ulp_close(out, ref)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Field case C2 on tiny models: each original norm module against its replacement, bit for bit.
+
+
+def _fused_for(module: nn.Module) -> nn.Module:
+    """The fused module with the semantics of a transformers Llama/Gemma norm (known here by class)."""
+    w = module.weight
+    if type(module).__name__.startswith("Gemma"):
+        fused = FusedRMSNorm(w.shape, module.eps, offset=1.0, cast_order="fp32", dtype=w.dtype)
+    else:
+        fused = FusedRMSNorm(w.shape, module.variance_epsilon, dtype=w.dtype)
+    fused.load_state_dict(module.state_dict())
+    return fused.requires_grad_(False)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma"])
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_c2_cast_order_bf16_models(tiny_model, model_type, backend):
+    model = tiny_model(model_type, dtype=torch.bfloat16)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert len(norms) == 5  # 2 per layer + final
+    for i, m in enumerate(norms):
+        fused = _fused_for(m)
+        fused.backend = backend
+        x = hidden((2, 16, *m.weight.shape), torch.bfloat16, seed=i)
+        with torch.no_grad():
+            ref, out = m(x), fused(x)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+
+
+def test_c2_wrong_cast_order_is_caught():
+    """The check above can fail: the other cast order differs on many elements by 1 ulp."""
+    w, x = noise(64, 1.0, dtype=torch.bfloat16), hidden((32, 64), torch.bfloat16)
+    llama = rms_norm(x, w, cast_order="llama")
+    gemma = rms_norm(x, w, cast_order="fp32")
+    assert not torch.equal(llama, gemma)
+    with pytest.raises(AssertionError, match="cast order"):
+        assert_ulp_close(gemma, llama)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Field case C3: mixed dtypes between activations and norm weight.
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float16)])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("name", ["LlamaRMSNorm", "GemmaRMSNorm", "Qwen3 q_norm", "CohereLayerNorm (H, D)"])
+def test_c3_mixed_dtypes(name, backend, x_dtype, w_dtype):
+    hf, fused, x = _pair(name, x_dtype, backend, param_dtype=w_dtype)
+    ref, out = hf(x), fused(x)
+    # Llama order promotes (a float32-weight LlamaRMSNorm returns float32); fp32 order returns x's dtype.
+    assert out.dtype == ref.dtype
+    if backend in _hf_cases()[name][3]:
+        assert torch.equal(out, ref)
+    else:
+        assert_ulp_close(out, ref)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_c3_layernorm_bf16_input_float32_params(backend):
+    ln = nn.LayerNorm(96).requires_grad_(False)
+    ln.weight.copy_(noise(96, 1.0))
+    ln.bias.copy_(noise(96, 0.0, seed=1))
+    fused = FusedLayerNorm((96,), 1e-5, backend=backend).requires_grad_(False)
+    fused.load_state_dict(ln.state_dict())
+    x = hidden((4, 96), torch.bfloat16)
+    ref, out = ln(x), fused(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    if backend == "eager":  # the Cohere formula; "torch"/"auto" run nn.LayerNorm's own kernel
+        assert_ulp_close(out, ref)
+    else:
+        assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("model_dtype,norm_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float16)])
+def test_c3_tiny_llama_mixed_norm_weights(tiny_model, model_dtype, norm_dtype):
+    """Case C3 on the tiny Llama: every norm with its weight in another dtype than the activations.
+
+    (The unconverted model itself cannot run end to end that way: a float32 norm output meets bfloat16
+    linears. What must hold is that each replacement returns what the module it replaces returns.)
+    """
+    model = tiny_model("llama", dtype=model_dtype)
+    norms = [m.to(norm_dtype) for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    assert len(norms) == 5
+    for i, m in enumerate(norms):
+        fused = _fused_for(m)
+        x = hidden((2, 16, 64), model_dtype, seed=i)
+        with torch.no_grad():
+            ref, out = m(x), fused(x)
+        assert out.dtype == ref.dtype == torch.promote_types(model_dtype, norm_dtype)
+        assert torch.equal(out, ref)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The functional ops against the float64 formula.
+
+
+def _fp64_norm(x, w, b, eps, offset, cast_order, kind, residual=None):
+    """float64 formula with the cast order's roundings emulated (Zhang & Sennrich 2019; Ba et al. 2016)."""
+    h = x if residual is None else x + residual  # torch's add (rounded to the promoted dtype)
+    x64 = h.double()
+    if kind == "layer":
+        x64 = x64 - x64.mean(-1, keepdim=True)
+    n = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    if cast_order == "llama":
+        y = n.to(h.dtype).double()
+        out_dtype = h.dtype
+        if w is not None:
+            y = y * (offset + w).double()  # (offset + w) in the weight's dtype, as the contract says
+            out_dtype = torch.promote_types(out_dtype, w.dtype)
+            if b is not None:
+                y = y.to(out_dtype).double()
+        if b is not None:
+            y = y + b.double()
+            out_dtype = torch.promote_types(out_dtype, b.dtype)
+        return y.to(out_dtype)
+    if w is not None:
+        n = n * (offset + w.double())
+    if b is not None:
+        n = n + b.double()
+    return n.to(h.dtype)
+
+
+def _assert_fp64_close(out, ref):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    diff = (out.double() - ref.double()).abs()
+    bound = 2 * torch.maximum(ulp(out), ulp(ref)) + 2.0**-20 * ref.double().abs().max().item()
+    assert (diff <= bound).all(), f"max diff {diff.max().item():.3g}"
+
+
+# (input shape, weight shape or None, transpose the input's dims 1 and 2 to make it non-contiguous)
+LAYOUTS = [
+    ((3, 7, 64), (64,), False),
+    ((2, 5, 4, 32), (4, 32), False),  # per-head weight, 4D input
+    ((2, 4, 5, 32), (32,), True),  # non-contiguous input
+    ((6, 48), None, False),  # parameter-free
+]
+
+
+ORDERS = [("llama", 0.0), ("fp32", 0.0), ("fp32", 1.0), ("llama", 1.0)]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("kind", ["rms", "layer", "add_rms"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "layout,cast_order,offset",
+    # a parameter-free norm has no offset
+    [(i, o, off) for i, lay in enumerate(LAYOUTS) for o, off in ORDERS if lay[1] is not None or off == 0.0],
+)
+def test_ops_against_fp64(layout, cast_order, offset, dtype, kind, backend):
+    shape, wshape, transpose = LAYOUTS[layout]
+    x = hidden(shape, dtype)
+    if transpose:
+        x = x.transpose(1, 2)
+        assert not x.is_contiguous()
+    w = None if wshape is None else noise(wshape, 1.0 - offset, seed=2, dtype=dtype)
+    b = None if wshape is None or kind != "layer" else noise(wshape, 0.0, seed=3, dtype=dtype)
+    if kind == "rms":
+        out = rms_norm(x, w, 1e-6, offset, cast_order, backend)
+        ref = _fp64_norm(x, w, None, 1e-6, offset, cast_order, "rms")
+        _assert_fp64_close(out, ref)
+    elif kind == "layer":
+        out = layer_norm(x, w, b, 1e-5, offset, cast_order, backend)
+        ref = _fp64_norm(x, w, b, 1e-5, offset, cast_order, "layer")
+        _assert_fp64_close(out, ref)
+    else:
+        residual = hidden(x.shape, dtype, seed=4)
+        out, new_res = add_rms_norm(x, residual, w, 1e-6, offset, cast_order, backend)
+        assert torch.equal(new_res, x + residual)
+        ref = _fp64_norm(x, w, None, 1e-6, offset, cast_order, "rms", residual=residual)
+        _assert_fp64_close(out, ref)
+    assert out.shape == x.shape and out.is_contiguous()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_add_rms_norm_mixed_residual(backend):
+    """bfloat16 block output into a float32 residual stream: the add promotes, the norm follows."""
+    x, res, w = hidden((4, 64), torch.bfloat16), hidden((4, 64), torch.float32, seed=2), noise(64, 1.0)
+    y, h = add_rms_norm(x, res, w, backend=backend)
+    assert h.dtype == torch.float32 and torch.equal(h, x + res)
+    assert torch.equal(y, rms_norm(x + res, w, backend="eager"))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("op", ["rms", "layer"])
+def test_eps_is_used(op, backend):
+    """Inputs of scale 1e-3: eps 1e-6 vs 1e-5 changes outputs by ~5%, far beyond any tolerance above."""
+    x, w = hidden((4, 64), torch.float32) * 1e-3 / 3, noise(64, 1.0)
+    fn = rms_norm if op == "rms" else layer_norm
+    out = fn(x, w, eps=1e-6, backend=backend)
+    ref = _fp64_norm(x, w, None, 1e-6, 0.0, "llama" if op == "rms" else "fp32", op)
+    _assert_fp64_close(out, ref)
+    assert (fn(x, w, eps=1e-5, backend=backend) - out).abs().max() > 1e-2 * out.abs().max()
+
+
+def test_float64_input_stays_float64():
+    x, w = torch.randn(3, 16, dtype=torch.float64), torch.rand(16, dtype=torch.float64) + 0.5
+    out = rms_norm(x, w)
+    ref = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=0)  # computed in float64 throughout
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_empty_input(backend):
+    x = torch.empty(0, 32, dtype=torch.bfloat16)
+    assert rms_norm(x, torch.ones(32), backend=backend).shape == (0, 32)
+    assert layer_norm(x, torch.ones(32), torch.zeros(32), backend=backend).shape == (0, 32)
+
+
+def test_gradients_match_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(32)
+    with torch.no_grad():
+        hf.weight.copy_(noise(32, 1.0))
+    fused = FusedRMSNorm((32,), 1e-6)
+    fused.load_state_dict(hf.state_dict())
+    x1 = hidden((5, 32), torch.float32).requires_grad_()
+    x2 = x1.detach().clone().requires_grad_()
+    g = hidden((5, 32), torch.float32, seed=7)
+    hf(x1).backward(g)
+    fused(x2).backward(g)
+    # Same op sequence under autograd: identical gradients.
+    assert torch.equal(x1.grad, x2.grad) and torch.equal(hf.weight.grad, fused.weight.grad)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Modules, validation, backend selection.
+
+
+def test_module_parameters_and_repr():
+    m = FusedRMSNorm((4, 8), 1e-5, offset=1.0, cast_order="fp32", weight_name="scale", dtype=torch.bfloat16)
+    assert list(m.state_dict()) == ["scale"] and m.scale.dtype == torch.bfloat16
+    assert torch.equal(m.scale, torch.zeros(4, 8, dtype=torch.bfloat16))  # identity: offset + w == 1
+    assert (m.kind, m.eps, m.offset, m.cast_order, m.normalized_shape) == ("rmsnorm", 1e-5, 1.0, "fp32", (8,))
+    assert "weight_name='scale'" in repr(m) and "offset=1.0" in repr(m)
+    x = hidden((3, 4, 8), torch.float32)
+    n = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(m.float()(x), n, rtol=1e-6, atol=1e-6)  # float32 rounding only
+
+    ln = FusedLayerNorm((8,), 1e-5, weight_name="gamma", bias_name="beta")
+    assert list(ln.state_dict()) == ["gamma", "beta"] and ln.kind == "layernorm"
+    assert torch.equal(ln.gamma, torch.ones(8)) and torch.equal(ln.beta, torch.zeros(8))
+    free = FusedLayerNorm(8, 1e-5, weight_name=None, bias_name=None)
+    assert list(free.parameters()) == [] and free.normalized_shape == (8,)
+    no_bias = FusedLayerNorm(8, 1e-5, bias_name=None)
+    assert list(no_bias.state_dict()) == ["weight"]
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: rms_norm(torch.randn(2, 8), cast_order="gemma"), "cast_order"),
+        (lambda: rms_norm(torch.randn(2, 8), torch.ones(7)), "does not broadcast"),
+        (lambda: rms_norm(torch.randn(2, 8), torch.ones(3, 8)), "does not broadcast"),
+        (lambda: rms_norm(torch.randn(2, 8), None, offset=1.0), "needs a weight"),
+        (lambda: rms_norm(torch.ones(2, 8, dtype=torch.int64)), "floating-point"),
+        (lambda: layer_norm(torch.randn(2, 8), torch.ones(8), torch.ones(4)), "bias of shape"),
+        (lambda: rms_norm(torch.randn(2, 8), backend="cuda"), "backend must be one of"),
+        (lambda: add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8)), "same shape"),
+        (lambda: FusedRMSNorm((8,), 1e-6, cast_order="x"), "cast_order"),
+        (lambda: FusedRMSNorm((8,), 1e-6, weight_name=None, offset=1.0), "needs a weight"),
+        (lambda: FusedRMSNorm((0,), 1e-6), "positive sizes"),
+        (lambda: FusedLayerNorm((8,), 1e-6, backend="fast"), "backend must be one of"),
+    ],
+)
+def test_bad_arguments(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_backend_from_environment(monkeypatch):
+    monkeypatch.setenv("NORMSWAP_BACKEND", "torch")
+    assert resolve_backend(None) == "torch" and resolve_backend("eager") == "eager"
+    monkeypatch.setenv("NORMSWAP_BACKEND", "turbo")
+    with pytest.raises(ValueError, match=r"\$NORMSWAP_BACKEND must be one of"):
+        rms_norm(torch.randn(2, 8))
+    monkeypatch.delenv("NORMSWAP_BACKEND")
+    assert resolve_backend(None) == "auto"
+
+
+def test_triton_backend_falls_back_on_cpu():
+    x, w = hidden((4, 64), torch.bfloat16), noise(64, 1.0, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="triton backend unavailable"):
+        out = rms_norm(x, w, backend="triton")
+    assert torch.equal(out, rms_norm(x, w, backend="eager"))
+
+
+def test_custom_ops_opcheck():
+    """Schema, fake (meta) impls and dispatch of the registered ops, as torch.compile relies on them."""
+    x, w, b = hidden((3, 5, 32), torch.bfloat16), noise(32, 1.0), noise(32, 0.0, seed=1)
+    cases = [
+        (torch.ops.normswap.rms_norm.default, (x, w, 1e-6, 0.0, "llama", "eager")),
+        (torch.ops.normswap.rms_norm.default, (x, None, 1e-6, 0.0, "fp32", "torch")),
+        (torch.ops.normswap.layer_norm.default, (x, w, b, 1e-5, 1.0, "fp32", "torch")),
+        (torch.ops.normswap.add_rms_norm.default, (x, x.float(), w, 1e-6, 0.0, "llama", "eager")),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.compile: one short marked test each for graph capture and for the compiled backend.
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("backend", [None, "eager"])
+def test_compiled_model_no_graph_breaks_or_recompiles(tiny_model, input_ids, backend):
+    """A model with fused norms compiles as one graph; norm instances do not add recompiles.
+
+    ``None`` (auto) lets the compiler trace the reference math; ``"eager"`` goes through the custom op.
+    Dynamo's own backend ("eager") keeps the test to graph capture, without inductor's codegen.
+    """
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama")
+    for name, m in list(model.named_modules()):
+        if type(m).__name__ == "LlamaRMSNorm":
+            parent, _, attr = name.rpartition(".")
+            fused = _fused_for(m)
+            fused.backend = backend
+            setattr(model.get_submodule(parent), attr, fused)
+    with torch.no_grad():
+        ref = model(input_ids).logits
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        out = compiled(input_ids).logits
+        out2 = compiled(input_ids.flip(0)).logits
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        torch.testing.assert_close(out2, model(input_ids.flip(0)).logits, rtol=0, atol=0)
+
+        # Several norm instances (different eps and weights) through one compiled function: one graph.
+        torch._dynamo.reset()
+        counters.clear()
+        fn = torch.compile(lambda mod, h: mod(h), backend="eager", fullgraph=True)
+        for i, eps in enumerate((1e-6, 1e-6, 1e-5)):
+            norm = FusedRMSNorm((64,), eps, backend=backend)
+            norm.weight.copy_(noise(64, 1.0, seed=i))
+            x = hidden((2, 64), torch.float32, seed=i)
+            torch.testing.assert_close(fn(norm, x), norm(x), rtol=0, atol=0)
+        assert counters["stats"]["unique_graphs"] <= 2  # eps is a constant: one graph per distinct eps
+
+
+@pytest.mark.compile
+def test_compiled_backend_keeps_cast_order():
+    """Inductor kernels (backend="compiled") against HF modules in bfloat16 (the C2 fault if not)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(256).requires_grad_(False)
+    hf.weight.copy_(noise(256, 1.0))
+    hf.bfloat16()
+    x = hidden((64, 256), torch.bfloat16)
+    assert_ulp_close(rms_norm(x, hf.weight, backend="compiled"), hf(x))
+    ln = nn.LayerNorm(256).requires_grad_(False).bfloat16()
+    ln.weight.copy_(noise(256, 1.0))
+    ln.bias.copy_(noise(256, 0.0, seed=1))
+    assert_ulp_close(layer_norm(x, ln.weight, ln.bias, backend="compiled"), ln(x))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton kernel in triton's CPU interpreter (runs only where triton is installed; no GPU needed).
+
+_TRITON_CHECK = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from normswap.kernels import reference as ref, triton_norm as tn
+    g = torch.Generator().manual_seed(0)
+    worst = {}
+    for xdt in (torch.bfloat16, torch.float16, torch.float32):
+        for wdt in (xdt, torch.float32):
+            for order in ("llama", "fp32"):
+                for shape, wshape in (((3, 5, 96), (96,)), ((2, 3, 4, 32), (4, 32))):
+                    x = (torch.randn(shape, generator=g) * 3).to(xdt)
+                    w = (torch.rand(wshape, generator=g) + 0.5).to(wdt)
+                    b = (torch.rand(wshape, generator=g) - 0.5).to(wdt)
+                    r = (torch.randn(shape, generator=g) * 3).to(wdt)
+                    w, b = ref.prepare_params(w, b, 0.0, order)
+                    pairs = [
+                        (tn.rms_norm(x, w, 1e-6, order), ref.rms_norm_math(x, w, 1e-6, order)),
+                        (tn.layer_norm(x, w, b, 1e-5, order), ref.layer_norm_math(x, w, b, 1e-5, order)),
+                        (tn.rms_norm(x, None, 1e-6, order), ref.rms_norm_math(x, None, 1e-6, order)),
+                    ]
+                    y, h = tn.add_rms_norm(x, r, w, 1e-6, order)
+                    pairs += [(h, x + r), (y, ref.rms_norm_math(x + r, w, 1e-6, order))]
+                    for out, want in pairs:
+                        assert out.dtype == want.dtype and out.shape == want.shape, (out.dtype, want.dtype)
+                        a = want.abs()
+                        sp = (torch.nextafter(a, a + float("inf")) - a).double()
+                        d = (out.double() - want.double()).abs()
+                        floor = 2.0**-20 * want.double().abs().max()
+                        key = str(want.dtype)
+                        worst[key] = max(worst.get(key, 0.0), ((d - floor).clamp(min=0) / sp).max().item())
+    print(worst)
+    assert worst["torch.float16"] <= 1, worst
+    # The interpreter truncates float32 -> bfloat16 (GPUs round to nearest): one ulp per rounding step.
+    assert worst["torch.bfloat16"] <= 2, worst
+    assert worst["torch.float32"] <= 8, worst
+    """
+)
+
+
+def test_triton_kernel_in_interpreter():
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRITON_CHECK, root], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_torch_backend_uses_fused_layer_norm_exactly():
+    """The CPU default for LayerNorm is torch's kernel: identical to F.layer_norm on the same inputs."""
+    x, w, b = hidden((8, 64), torch.bfloat16), noise(64, 1.0, dtype=torch.bfloat16), noise(64, 0.0)
+    out = layer_norm(x, w, b.bfloat16())
+    assert torch.equal(out, F.layer_norm(x, (64,), w, b.bfloat16(), 1e-5))
