@@ -1,8 +1,9 @@
 """Benchmark normswap's norm kernels against HF eager norms, torch's norms and a same-size copy.
 
-    python benchmarks/bench_norms.py                 # full grid of issue 5, CPU, results in benchmarks/results/
-    python benchmarks/bench_norms.py --device cuda   # adds the triton backend when installed
-    python benchmarks/bench_norms.py --quick         # one small shape, 3 rounds (smoke run)
+    python benchmarks/bench_norms.py                # issue 5's grid on the CPU -> benchmarks/results/
+    python benchmarks/bench_norms.py --device cuda  # adds the triton backend when installed
+    python benchmarks/bench_norms.py --model smollm2-135m  # also prefill/decode, original vs converted
+    python benchmarks/bench_norms.py --quick        # one small shape, 3 rounds (smoke run)
 
 Prints a markdown table (median time / copy, and GB/s) and writes norm_kernels.json (+ .png with
 matplotlib). Method and caveats: normswap/bench.py and docs/KERNELS.md.
@@ -27,22 +28,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default=",".join(bench.DTYPES), help="comma-separated dtype names")
     p.add_argument("--backends", default=None, help="comma-separated normswap backends (default: all usable)")
     p.add_argument("--no-heap-reuse", action="store_true", help="keep glibc's mmap of large outputs")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="one [1024, 576] shape, 3 rounds")
+    p.add_argument("--model", default=None, help="also time prefill/decode of MODEL, original vs converted")
+    p.add_argument("--model-rounds", type=int, default=5)
+    p.add_argument("--no-kernels", action="store_true", help="skip the kernel grid (with --model)")
     a = p.parse_args(argv)
     if a.rounds < 1:
         print(f"error: --rounds must be >= 1, got {a.rounds}", file=sys.stderr)
         return 2
+    if a.threads is not None:
+        if a.threads < 1:
+            print(f"error: --threads must be >= 1, got {a.threads}", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(a.threads)
     heap = False if a.no_heap_reuse else bench.reuse_heap()
     shapes = ((1024, 576),) if a.quick else bench.SHAPES
     rounds = 3 if a.quick else a.rounds
     backends = a.backends.split(",") if a.backends else None
+    from normswap.errors import NormswapError
+
+    rows, model_rows = [], []
     try:
-        rows = bench.bench_kernels(shapes, a.dtypes.split(","), backends, rounds, a.device, log=print)
-    except ValueError as e:
+        if not a.no_kernels:
+            rows = bench.bench_kernels(shapes, a.dtypes.split(","), backends, rounds, a.device, log=print)
+            print(bench.format_table(rows))
+        if a.model:
+            model_rows = bench.bench_model(a.model, rounds=a.model_rounds, log=print)
+            print(bench.format_model_table(model_rows))
+    except (ValueError, NormswapError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(bench.format_table(rows))
-    for path in bench.write_results(rows, a.out, bench.machine_info(a.device, heap)):
+    for path in bench.write_results(rows, a.out, bench.machine_info(a.device, heap), model_rows):
         print(f"wrote {path}")
     return 0
 

@@ -12,8 +12,11 @@ reuse the heap). By default the benchmark therefore asks glibc (``mallopt``) to 
 the heap so freed outputs are reused; ``x.clone()`` (allocate + copy) is also reported so the effect can
 be read off. ``reuse_heap=False`` keeps the system default.
 
-Entry points: ``bench_kernels`` (returns rows), ``format_table``, ``write_results`` (JSON + optional PNG);
-``python benchmarks/bench_norms.py`` runs the full grid of the issue.
+Model level (``bench_model``): prefill and cached greedy decode latency of a model before and after
+``normswap.convert`` (fold + swap), timed interleaved in one process.
+
+Entry points: ``bench_kernels`` (returns rows), ``bench_model``, ``format_table``, ``write_results``
+(JSON + optional PNG); ``python benchmarks/bench_norms.py`` runs the full grid of the issue.
 """
 
 from __future__ import annotations
@@ -59,10 +62,11 @@ def default_backends(device: torch.device) -> list[str]:
     return names
 
 
-def _candidates(
-    x: torch.Tensor, backends: list[str]
-) -> dict[str, tuple[Callable[[], torch.Tensor | None], int]]:
-    """name -> (zero-arg callable, bytes it moves). Weights are random around the identity."""
+def _candidates(x: torch.Tensor, backends: list[str]) -> dict[str, tuple[Callable, int, str | None]]:
+    """name -> (zero-arg callable, bytes it moves, name of the candidate it must agree with or None).
+
+    Weights are random around the identity (``1 + U(-0.5, 0.5)``, Gemma's ``U(-0.5, 0.5)``).
+    """
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -81,21 +85,23 @@ def _candidates(
         ln.bias.copy_(b)
     y = torch.empty_like(x)
     io = 2 * x.numel() * x.element_size()
-    c: dict[str, tuple[Callable[[], torch.Tensor | None], int]] = {
-        "copy": (lambda: y.copy_(x), io),
-        "clone (alloc+copy)": (lambda: x.clone(), io),
-        "HF LlamaRMSNorm": (lambda: llama(x), io),
-        "HF GemmaRMSNorm": (lambda: gemma(x), io),
-        "nn.LayerNorm": (lambda: ln(x), io),
-        "F.rms_norm": (lambda: torch.nn.functional.rms_norm(x, (d,), w, 1e-6), io),
+    hf_llama, hf_gemma, hf_ln = "HF LlamaRMSNorm", "HF GemmaRMSNorm", "nn.LayerNorm"
+    c: dict[str, tuple[Callable, int, str | None]] = {
+        "copy": (lambda: y.copy_(x), io, None),
+        "clone (alloc+copy)": (lambda: x.clone(), io, None),
+        hf_llama: (lambda: llama(x), io, None),
+        hf_gemma: (lambda: gemma(x), io, None),
+        hf_ln: (lambda: ln(x), io, None),
+        "F.rms_norm": (lambda: torch.nn.functional.rms_norm(x, (d,), w, 1e-6), io, hf_llama),
     }
     for be in backends:
-        c[f"normswap rms_norm llama [{be}]"] = (lambda be=be: rms_norm(x, w, 1e-6, backend=be), io)
+        c[f"normswap rms_norm llama [{be}]"] = (lambda be=be: rms_norm(x, w, 1e-6, backend=be), io, hf_llama)
         c[f"normswap rms_norm gemma [{be}]"] = (
             lambda be=be: rms_norm(x, wg, 1e-6, offset=1.0, cast_order="fp32", backend=be),
             io,
+            hf_gemma,
         )
-        c[f"normswap layer_norm [{be}]"] = (lambda be=be: layer_norm(x, w, b, 1e-5, backend=be), io)
+        c[f"normswap layer_norm [{be}]"] = (lambda be=be: layer_norm(x, w, b, 1e-5, backend=be), io, hf_ln)
     return c
 
 
@@ -125,7 +131,8 @@ def bench_kernels(
 
     Returns:
         One dict per (shape, dtype, candidate): ``tokens, hidden, dtype, name, median_s, ratio_to_copy,
-        gb_per_s, first_call_s``.
+        gb_per_s, first_call_s``, and ``agrees_with``/``max_abs_diff``: the HF module a norm candidate
+        reproduces and the largest difference of its output from that module's (0.0 = bit-identical).
 
     Raises:
         ValueError: unknown dtype name or ``rounds < 1``.
@@ -142,13 +149,20 @@ def bench_kernels(
                 raise ValueError(f"unknown dtype {dname!r}")
             x = (torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)) * 3).to(dev, dt)
             cands = _candidates(x, backends)
-            first, times = {}, {n: [] for n in cands}
+            first, times, diff = {}, {n: [] for n in cands}, {}
+            refs = {r for _, _, r in cands.values() if r is not None}
+            outputs = {}
             with torch.inference_mode():
-                for name, (fn, _) in cands.items():
+                for name, (fn, _, ref) in cands.items():
                     t0 = time.perf_counter()
-                    fn()
+                    out = fn()
                     _sync(dev)
                     first[name] = time.perf_counter() - t0
+                    if name in refs:
+                        outputs[name] = out
+                    if ref is not None:
+                        diff[name] = (out.double() - outputs[ref].double()).abs().max().item()
+                del outputs
                 names = list(cands)
                 for r in range(rounds):
                     k = r % len(names)
@@ -159,7 +173,7 @@ def bench_kernels(
                         _sync(dev)
                         times[name].append(time.perf_counter() - t0)
             copy = statistics.median(times["copy"])
-            for name, (_, nbytes) in cands.items():
+            for name, (_, nbytes, ref) in cands.items():
                 med = statistics.median(times[name])
                 rows.append(
                     {
@@ -171,10 +185,102 @@ def bench_kernels(
                         "ratio_to_copy": med / copy,
                         "gb_per_s": nbytes / med / 1e9,
                         "first_call_s": first[name],
+                        "agrees_with": ref,
+                        "max_abs_diff": diff.get(name),
                     }
                 )
             if log is not None:
                 log(f"[{tokens}, {hidden}] {dname}: done")
+    return rows
+
+
+def _prefill(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, use_cache=False).logits
+
+
+def _decode(model: nn.Module, ids: torch.Tensor, steps: int) -> tuple[list[int], float]:
+    """Greedy decode ``steps`` tokens after the prompt with the KV cache.
+
+    Returns the token ids and the seconds the ``steps`` one-token forwards took (prompt excluded).
+    """
+    out = model(ids, use_cache=True)
+    cache, tok, toks = out.cache, out.logits[:, -1:].argmax(-1), []  # transformers 5: "cache"
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        toks.append(int(tok))
+        out = model(tok, cache=cache, use_cache=True)
+        cache, tok = out.cache, out.logits[:, -1:].argmax(-1)
+    return toks, time.perf_counter() - t0
+
+
+def bench_model(
+    source: str = "smollm2-135m",
+    prompt_len: int = 512,
+    decode_tokens: int = 32,
+    rounds: int = 5,
+    dtype: str = "float32",
+    log: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Latency of the original and the converted model, measured side by side.
+
+    Loads ``source`` (``normswap.io.load_model``), converts a deep copy with ``normswap.convert.convert``
+    (fold + swap, default options), then times, alternating which model goes first each round:
+    ``prefill`` (one forward over ``1 x prompt_len`` random ids, no cache) and ``decode``
+    (``decode_tokens`` greedy one-token steps with the KV cache after a ``1 x 16`` prompt; the prompt's
+    forward is not timed).
+
+    Returns:
+        One dict per (phase, model): ``phase, model, median_s, ratio_to_original, tokens_agree`` (decode:
+        whether the converted model produced the same greedy tokens).
+
+    Raises:
+        normswap.errors.NormswapError: the model cannot be loaded or converted.
+    """
+    import copy
+
+    from normswap.convert import convert
+    from normswap.io import load_model
+
+    original = load_model(source, dtype=dtype, tokenizer=False).model
+    converted = copy.deepcopy(original)
+    convert(converted)
+    vocab = original.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, prompt_len), generator=g)
+    short = torch.randint(0, vocab, (1, 16), generator=g)
+    models = {"original": original, "converted": converted}
+    times = {(ph, m): [] for ph in ("prefill", "decode") for m in models}
+    tokens = {}
+    with torch.inference_mode():
+        for name, m in models.items():  # warm-up
+            _prefill(m, prompt)
+            tokens[name] = _decode(m, short, decode_tokens)[0]
+        for r in range(rounds):
+            order = list(models) if r % 2 == 0 else list(models)[::-1]
+            for name in order:
+                t0 = time.perf_counter()
+                _prefill(models[name], prompt)
+                times[("prefill", name)].append(time.perf_counter() - t0)
+                times[("decode", name)].append(_decode(models[name], short, decode_tokens)[1])
+            if log is not None:
+                log(f"model round {r + 1}/{rounds}")
+    rows = []
+    for phase in ("prefill", "decode"):
+        base = statistics.median(times[(phase, "original")])
+        for name in models:
+            med = statistics.median(times[(phase, name)])
+            rows.append(
+                {
+                    "phase": phase,
+                    "model": name,
+                    "source": source,
+                    "prompt_len": prompt_len if phase == "prefill" else 16,
+                    "decode_tokens": decode_tokens if phase == "decode" else 0,
+                    "median_s": med,
+                    "ratio_to_original": med / base,
+                    "tokens_agree": tokens[name] == tokens["original"],
+                }
+            )
     return rows
 
 
@@ -212,15 +318,30 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_results(rows: list[dict], out_dir: str | Path, info: dict | None = None) -> list[Path]:
-    """Write ``norm_kernels.json`` and, when matplotlib is installed, ``norm_kernels.png`` to ``out_dir``.
+def format_model_table(rows: list[dict]) -> str:
+    """Markdown table of ``bench_model`` rows."""
+    lines = ["| phase | model | median ms | vs original | same greedy tokens |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['phase']} | {r['model']} | {r['median_s'] * 1e3:.1f} | {r['ratio_to_original']:.3f}x "
+            f"| {'yes' if r['tokens_agree'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def write_results(
+    rows: list[dict], out_dir: str | Path, info: dict | None = None, model_rows: list[dict] | None = None
+) -> list[Path]:
+    """Write ``norm_kernels.json`` (kernel rows, machine info, model rows if any) and, when matplotlib is
+    installed, ``norm_kernels.png`` into ``out_dir`` (created if missing).
 
     Returns the paths written.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "norm_kernels.json"
-    path.write_text(json.dumps({"machine": info or {}, "results": rows}, indent=2))
+    doc = {"machine": info or {}, "results": rows, "model": model_rows or []}
+    path.write_text(json.dumps(doc, indent=2))
     written = [path]
     png = _plot(rows, out / "norm_kernels.png")
     if png is not None:
@@ -242,7 +363,7 @@ def _plot(rows: list[dict], path: Path) -> Path | None:
     nrow = -(-len(configs) // ncol)
     size = (4.5 * ncol + 2.5, 0.3 * len(names) * nrow + 1.5)
     fig, axes = plt.subplots(nrow, ncol, figsize=size, squeeze=False, sharey=True)
-    for ax, cfg in zip(axes.flat, configs):
+    for ax, cfg in zip(axes.flat, configs, strict=False):
         vals = {r["name"]: r["ratio_to_copy"] for r in rows if (r["tokens"], r["hidden"], r["dtype"]) == cfg}
         ys = [vals.get(n, 0.0) for n in names]
         colors = ["tab:green" if n.startswith("normswap") else "tab:gray" for n in names]

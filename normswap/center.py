@@ -76,8 +76,8 @@ _SCALE = {"mul", "mul_", "__mul__", "__imul__", "__rmul__", "div", "div_", "__tr
 _LINEAR = {"linear", "matmul", "__matmul__", "mm", "addmm", "bmm"}
 _PASS = (dimmap.SAME_SHAPE | dimmap.RESHAPE | dimmap.TRANSPOSE | dimmap.SPLIT
          | {"__getitem__", "index_select", "expand", "expand_as", "narrow", "select"})  # fmt: skip
-_VALUE_FREE = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
-               "new_full"}  # fmt: skip  (results do not depend on the values read)
+# Ops whose result does not depend on the values they read (a fresh tensor of the same shape).
+_VALUE_FREE = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty"}
 _CHUNK = 1 << 22  # float64 elements per block of centering arithmetic (32 MiB)
 
 
@@ -167,9 +167,8 @@ class _Recorder(TorchFunctionMode):
             self.keep.append(output)
             self.count += 1
             k = self.key(output)
-            self.nodes[k] = _Node(
-                "norm", None, (), {}, site, {0: self.norm_inputs[site][-1]}, output, order=self.count, site=site, key=k
-            )
+            operands = {0: self.norm_inputs[site][-1]}
+            self.nodes[k] = _Node("norm", None, (), {}, site, operands, output, None, self.count, site, k)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -210,8 +209,10 @@ class _Recorder(TorchFunctionMode):
 
 
 def _mutates(name: str) -> bool:
-    return name == "__setitem__" or (name.startswith("__i") and name.endswith("__")) or (
-        name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
+    return (
+        name == "__setitem__"
+        or (name.startswith("__i") and name.endswith("__"))
+        or (name.endswith("_") and not name.startswith("_") and name != "requires_grad_")
     )
 
 
@@ -244,8 +245,13 @@ def _record(model: nn.Module, site_names: list[str], input_ids: torch.Tensor | N
     return recorder
 
 
-def _arg(node: _Node, pos: int, name: str):
-    return node.args[pos] if len(node.args) > pos else node.kwargs.get(name)
+def _arg(node: _Node, pos: int, name: str, default=None):
+    return node.args[pos] if len(node.args) > pos else node.kwargs.get(name, default)
+
+
+def _dropout_active(node: _Node) -> bool:
+    """``F.dropout(input, p=0.5, training=True)`` as called: does it drop anything?"""
+    return bool(_arg(node, 2, "training", True)) and _arg(node, 1, "p", 0.5) > 0
 
 
 def _derive_dims(node: _Node, dims: dimmap.DimMap) -> dimmap.DimMap | None:
@@ -276,7 +282,10 @@ def _replay(node: _Node, index: torch.Tensor) -> torch.Tensor:
     """``node``'s op applied to a tensor of feature indices standing in for its first argument."""
     if node.op in dimmap.SAME_SHAPE or node.op in _SCALE:
         return index.expand(node.out.shape)
-    result = node.func(index, *node.args[1:], **node.kwargs)
+    try:
+        result = node.func(index, *node.args[1:], **node.kwargs)
+    except RuntimeError:  # a view the broadcast (stride-0) index tensor cannot take: use a real copy
+        result = node.func(index.contiguous(), *node.args[1:], **node.kwargs)
     return result[node.piece] if node.piece is not None else result
 
 
@@ -351,21 +360,25 @@ class _Planner:
                     value = _arg(node, pos, other)
                     if not isinstance(value, torch.Tensor):
                         if value not in (0, 0.0, None):
-                            raise self._fail(site, f"its input gets the constant {value} added ({self._where(node)})")
+                            raise self._fail(
+                                site, f"its input gets the constant {value} added ({self._where(node)})"
+                            )
                         continue
                     opkey = node.operands.get(pos, node.operands.get(other))
                     ref = self.param_ref(opkey)
                     if ref is None:
                         stack.append(opkey)
                     elif value.ndim == 0 or value.shape[-1] != node.out.shape[-1] or ref.dims[-1] is None:
-                        raise self._fail(site, f"{ref.param} is added without a feature axis ({self._where(node)})")
+                        raise self._fail(
+                            site, f"{ref.param} is added without a feature axis ({self._where(node)})"
+                        )
                     else:
                         seen.add(opkey)
                         writes.append(_Write(ref.param, ref.dims[-1], opkey, node))
             elif node.op in _SCALE:
                 stack.append(self._scaled(site, node))
             elif node.op in _PASS and 0 in node.operands:
-                if node.op.endswith("dropout") and node.kwargs.get("training", _arg(node, 2, "training")):
+                if node.op.endswith("dropout") and _dropout_active(node):
                     raise self._fail(site, f"dropout in training mode in {node.module}")
                 stack.append(node.operands[0])
             else:
@@ -375,8 +388,8 @@ class _Planner:
 
     def _leaf(self, k: Key) -> str:
         if k[0] in self.rec.buffers:
-            return (f"it reads the buffer {self.rec.buffers[k[0]]}, not a parameter (e.g. sinusoidal positions); "
-                    "only parameters can be centered")  # fmt: skip
+            name = self.rec.buffers[k[0]]
+            return f"it reads the buffer {name} (e.g. sinusoidal positions); only parameters can be centered"
         return "it reads a tensor made outside the model's ops (an input or a constant)"
 
     def _scaled(self, site: str, node: _Node) -> Key:
@@ -384,7 +397,9 @@ class _Planner:
         tensors = [(p, a) for p, a in enumerate(node.args[:2]) if isinstance(a, torch.Tensor)]
         streams = [p for p, a in tensors if a.ndim > 0 and a.shape[-1] == node.out.shape[-1] > 1]
         if len(streams) != 1 or (node.op.startswith(("div", "__truediv", "__itruediv")) and streams != [0]):
-            raise self._fail(site, f"its input is multiplied by a tensor varying along the features ({self._where(node)})")
+            raise self._fail(
+                site, f"its input is multiplied by a tensor varying along the features ({self._where(node)})"
+            )
         return node.operands[streams[0]]
 
     def _linear_writes(self, site: str, node: _Node, k: Key) -> list[_Write]:
@@ -397,7 +412,9 @@ class _Planner:
         wkey = node.operands.get(weight[0], node.operands.get(weight[1]))
         ref = self.param_ref(wkey) if wkey is not None else None
         if ref is None or ref.dims[w_axis] is None:
-            raise self._fail(site, f"its input is written by {self._where(node)} whose weight is not a parameter")
+            raise self._fail(
+                site, f"its input is written by {self._where(node)} whose weight is not a parameter"
+            )
         writes = [_Write(ref.param, ref.dims[w_axis], k, node)]
         bkey = node.operands.get(bias[0], node.operands.get(bias[1])) if bias else None
         if bkey is not None:
@@ -465,11 +482,16 @@ class _Plan:
     untie: list[tuple[str, str]]
     flags: list[_Flag]
     resolved: list[NormSite]
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # qualified name -> Parameter object
+    tensors: dict[str, torch.Tensor]  # qualified name -> the Parameter object
 
 
 def plan_centering(
-    model: nn.Module, walk: Walk, input_ids: torch.Tensor | None = None, *, untie: bool = True, add_biases: bool = True
+    model: nn.Module,
+    walk: Walk,
+    input_ids: torch.Tensor | None = None,
+    *,
+    untie: bool = True,
+    add_biases: bool = True,
 ) -> _Plan:
     """Plan the centering of ``model`` (see the module docstring); changes nothing.
 
@@ -480,7 +502,7 @@ def plan_centering(
     layer = [s for s in walk.sites if s.kind == "layernorm"]
     if not layer:
         result.note = "no LayerNorm: nothing to center (centering an RMSNorm model would change it)"
-        return _Plan(result, {}, {}, [], [], [])
+        return _Plan(result, {}, {}, [], [], [], {})
     rec = _record(model, [s.name for s in walk.sites], input_ids)
     planner = _Planner(model, walk, rec)
     cone: set[Key] = set()
@@ -495,7 +517,9 @@ def plan_centering(
     groups, tables = _groups(planner, layer, index, feeds, writes)
     _check_readers(planner, cone, index, feeds, groups, writes)
     result.sites = [s.name for s in layer]
-    result.writers = [f"{p}[{a}]" + (f" x{len(g)} groups" if len(g) > 1 else "") for (p, a), g in groups.items()]
+    result.writers = [
+        f"{p}[{a}]" + (f" x{len(g)} groups" if len(g) > 1 else "") for (p, a), g in groups.items()
+    ]
     to_untie = _untie_plan(planner, writes, untie)
     for module, attr in to_untie:
         p = model.get_submodule(module)._parameters[attr]
@@ -510,12 +534,17 @@ def plan_centering(
     return _Plan(result, groups, tables, to_untie, flags, resolved, rec.tensors)
 
 
+def _in_order(rec: _Recorder, keys: set[Key]) -> list[Key]:
+    """``keys`` in the order the forward made them (parameters first)."""
+    return sorted(keys, key=lambda k: rec.nodes[k].order if k in rec.nodes else -1)
+
+
 def _propagate(planner: _Planner, cone: set[Key], writes: dict[Key, list[_Write]]):
     """Feature-index tensors and the set of writing sources of every tensor in the cone, in op order."""
     rec = planner.rec
     index: dict[Key, torch.Tensor] = {}
     feeds: dict[Key, frozenset[Key]] = {}
-    for k in sorted(cone, key=lambda k: rec.nodes[k].order if k in rec.nodes else -1):
+    for k in _in_order(rec, cone):
         node = rec.nodes.get(k)
         if k in writes:
             t = node.out if node is not None else rec.tensors[writes[k][0].param]
@@ -525,10 +554,11 @@ def _propagate(planner: _Planner, cone: set[Key], writes: dict[Key, list[_Write]
             parts = [(index[o], feeds[o]) for o in node.operands.values() if o in index]
             first = parts[0][0].expand(node.out.shape)
             if any(not torch.equal(i.expand(node.out.shape), first) for i, _ in parts[1:]):
-                raise planner._fail(node.module, f"{planner._where(node)} adds tensors whose features are laid out differently")
+                why = f"{planner._where(node)} adds tensors whose features are laid out differently"
+                raise planner._fail(_site_of(planner, k), why)
             index[k], feeds[k] = first, frozenset().union(*(f for _, f in parts))
         else:
-            src = node.operands[0] if node.op not in _SCALE else planner._scaled("?", node)
+            src = planner._scaled("", node) if node.op in _SCALE else node.operands[0]
             index[k], feeds[k] = _replay(node, index[src]), feeds[src]
     return index, feeds
 
@@ -536,28 +566,34 @@ def _propagate(planner: _Planner, cone: set[Key], writes: dict[Key, list[_Write]
 def _groups(planner: _Planner, layer: list[NormSite], index, feeds, writes):
     """Index groups normalized together, per written (param, axis); checks that they partition the axis."""
     found: dict[tuple[str, int], set[tuple[int, ...]]] = defaultdict(set)
-    reader: dict[tuple[str, int], str] = {}
+    reader: dict[tuple[str, int], list[str]] = defaultdict(list)
     tables: dict[str, tuple[str, NormSite]] = {}
     by_name = {s.name: s for s in layer}
     for site in layer:
         for k in planner.rec.norm_inputs[site.name]:
-            rows = {tuple(r) for r in index[k].reshape(-1, index[k].shape[-1]).tolist()}
+            rows = {tuple(r) for r in torch.unique(index[k].reshape(-1, index[k].shape[-1]), dim=0).tolist()}
             for source in feeds[k]:
                 for w in writes[source]:
                     if w.table is not None:
                         full = tuple(range(planner.rec.tensors[w.param].shape[w.axis]))
                         if rows != {full}:
-                            raise planner._fail(site.name, f"{w.table} feeds it in a layout other than whole rows")
+                            raise planner._fail(
+                                site.name, f"{w.table} feeds it in a layout other than whole rows"
+                            )
                         tables[w.param] = (w.table, by_name[w.table])
                         continue
                     found[(w.param, w.axis)] |= rows
-                    reader.setdefault((w.param, w.axis), site.name)
+                    reader[(w.param, w.axis)].append(site.name)
     groups: dict[tuple[str, int], list[torch.Tensor]] = {}
     axes: dict[str, int] = {}
     for (param, axis), rows in found.items():
-        if param in tables:
-            continue  # the table is rewritten whole (``_table_rows``), already zero-mean
-        site = reader[(param, axis)]
+        site = reader[(param, axis)][0]
+        if param in tables:  # rewritten whole (``_table_rows``): may feed nothing but its norm
+            if set(reader[(param, axis)]) != {tables[param][0]}:
+                raise planner._fail(
+                    site, f"{param} is normalized by {tables[param][0]} and also written into it"
+                )
+            continue
         if axes.setdefault(param, axis) != axis:
             raise planner._fail(site, f"{param} is written into normalized inputs along two axes")
         owner: dict[int, tuple[int, ...]] = {}
@@ -582,12 +618,14 @@ def _check_readers(planner: _Planner, cone: set[Key], index, feeds, groups, writ
         for g in groups.get((w.param, w.axis), [torch.arange(mask.numel())]):
             mask[g] = True
         centered[source] = mask
-    for k in cone:
+    for k in _in_order(planner.rec, cone):  # report the first offending read of the forward
         for use in planner.rec.uses.get(k, []):
             if isinstance(use, tuple):
                 kind, site = use
                 if kind == "output":
-                    raise planner._fail(_site_of(planner, k), "the stream it reads is also returned as a model output")
+                    raise planner._fail(
+                        _site_of(planner, k), "the stream it reads is also returned as a model output"
+                    )
                 if planner.kinds.get(site) != "layernorm":
                     raise planner._fail(
                         _site_of(planner, k),
@@ -652,7 +690,9 @@ def _untie_plan(planner: _Planner, writes: dict[Key, list[_Write]], untie: bool)
         holders = [o for o in rec.owners[param] if o[0] not in writer_modules]
         for op, module in others:
             if not any(m == module for m, _ in holders):
-                raise planner._fail(first[param], f"{param} is written into it and also used by {op} in {module}")
+                raise planner._fail(
+                    first[param], f"{param} is written into it and also used by {op} in {module}"
+                )
         if holders and not untie:
             raise planner._fail(first[param], f"{param} is written into it and shared with {holders[0][0]} "
                                 "(untying disabled)")  # fmt: skip
@@ -761,7 +801,9 @@ def _table_rows(table: torch.Tensor, site: NormSite, norm: nn.Module) -> tuple[t
         u = target(table[s : s + step]) / scale
         m = u.pow(2).mean(-1, keepdim=True)
         if eps <= 0 or bool((m >= 1).any()):
-            raise CenteringError(f"cannot rewrite the table read by {site.name}: eps {eps} leaves no exact row")
+            raise CenteringError(
+                f"cannot rewrite the table read by {site.name}: eps {eps} leaves no exact row"
+            )
         out[s : s + step] = (u * torch.sqrt(eps / (1 - m))).to(table.dtype)
     return out, scale
 
@@ -772,7 +814,9 @@ def _prepare(model: nn.Module, plan: _Plan) -> list[tuple]:
     actions: list[tuple] = []
     for module, attr in plan.untie:
         old = model.get_submodule(module)._parameters[attr]
-        actions.append(("untie", (module, attr), nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)))
+        actions.append(
+            ("untie", (module, attr), nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad))
+        )
     for flag in plan.flags:
         for mod_name, (attr, shape) in flag.biases.items():
             ref = next(model.get_submodule(mod_name).parameters())
@@ -828,7 +872,9 @@ def _commit(model: nn.Module, walk: Walk, plan: _Plan, actions: list[tuple]) -> 
         if site.name in plan.result.kept_bias:
             site.reason = f"bias kept on the RMSNorm: {site.reason}, and no config setting adds one"
         if site.name in tables:
-            site.reason = "norm of an embedding lookup: the table was rewritten, the norm holds a constant scale"
+            site.reason = (
+                "norm of an embedding lookup: the table was rewritten, the norm holds a constant scale"
+            )
 
 
 def _retarget(walk: Walk, shared: str, module: str, attr: str) -> None:
@@ -925,7 +971,9 @@ class BiasedRMSNorm(FusedRMSNorm):
         if self.cast_order == "llama":
             return rms_norm(x, w, self.eps, self.offset, "llama", self.backend) + b
         compute = torch.promote_types(x.dtype, torch.float32)
-        y = rms_norm(x.to(compute), None if w is None else w.to(compute), self.eps, self.offset, "fp32", self.backend)
+        y = rms_norm(
+            x.to(compute), None if w is None else w.to(compute), self.eps, self.offset, "fp32", self.backend
+        )
         return (y + b.to(compute)).to(x.dtype)
 
     def extra_repr(self) -> str:

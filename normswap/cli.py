@@ -55,6 +55,19 @@ def _write_json(path: str | os.PathLike, data) -> None:
         raise NormswapError(f"cannot write {path}: {error.strerror or error}") from error
 
 
+def _check_writable_file(path: Path | None) -> None:
+    """Fail before any work if a JSON output file could not be written later."""
+    if path is None:
+        return
+    parent = path.expanduser().resolve().parent
+    if path.is_dir():
+        raise NormswapError(f"{path} is a directory; give a file name")
+    if not parent.is_dir():
+        raise NormswapError(f"cannot write {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise NormswapError(f"cannot write {path}: directory {parent} is not writable")
+
+
 def _load_options(f):
     f = click.option(
         "--trust-remote-code",
@@ -125,6 +138,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
 
     _quiet_transformers()
     io.check_output_dir(output, model, overwrite=overwrite)
+    _check_writable_file(report)
     t0 = time.perf_counter()
     _step(f"loading {model} ({dtype}) ...")
     loaded = io.load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -173,6 +187,7 @@ def inspect(model, dtype, trust_remote_code, json_path):
     from normswap.convert import inspect as inspect_model
 
     _quiet_transformers()
+    _check_writable_file(json_path)
     loaded = io.load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
     sites = inspect_model(loaded.model)
     if not sites:
@@ -202,6 +217,20 @@ def _fmt(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _tolerance_text(tol: dict, output_name: str = "logit") -> str:
+    """``{"max_abs": 2e-4, "top1": 1.0}`` -> ``"max |logit diff| <= 0.0002, top-1 >= 100%"``."""
+    parts = []
+    if "max_abs" in tol:
+        parts.append(f"max |{output_name} diff| <= {tol['max_abs']:g}")
+    if tol.get("top1") and output_name == "logit":
+        parts.append(f"top-1 >= {tol['top1']:.0%}")
+    if "k" in tol:
+        parts.append(f"error vs float32 <= {tol['k']:g} x the original's + {tol.get('abs', 0):g}")
+    if "kl_abs" in tol:
+        parts.append(f"KL vs float32 <= {tol['k']:g} x the original's + {tol['kl_abs']:g}")
+    return ", ".join(parts)
+
+
 def _summary(report: dict, output: Path | None, report_path: Path | None) -> str:
     """The short human summary printed after ``convert``: norms, untying, check numbers, where things went."""
     lines = [
@@ -215,14 +244,16 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
         lines.append(f"untied:   {', '.join(untied)} (+{extra / 2**20:.1f} MiB)")
     check = report.get("check") or {}
     if check:
-        tol = {k: v for k, v in (check.get("tolerance") or {}).items() if not k.startswith("localize")}
-        tol_text = ", ".join(f"{k} {v:g}" for k, v in tol.items() if isinstance(v, int | float))
-        lines.append(
-            f"check:    {check.get('tokens')} tokens, "
-            f"max |logit diff| {_fmt(check.get('max_abs_logit_diff'), '.3g')}"
-            f", KL {_fmt(check.get('kl_mean'), '.3g')}, top-1 {_fmt(check.get('top1_agreement'), '.2%')}, "
-            f"ppl {_fmt(check.get('ppl_original'), '.4f')} -> {_fmt(check.get('ppl_converted'), '.4f')}"
+        output_name = {"logits": "logit", "last_hidden_state": "hidden state"}.get(
+            check.get("output"), "logit"
         )
+        tol_text = _tolerance_text(check.get("tolerance") or {}, output_name)
+        numbers = [f"max |{output_name} diff| {_fmt(check.get('max_abs_logit_diff'), '.3g')}"]
+        if check.get("kl_mean") is not None:
+            numbers.append(f"KL {check['kl_mean']:.3g}, top-1 {_fmt(check.get('top1_agreement'), '.2%')}")
+        if check.get("ppl_original") is not None:
+            numbers.append(f"ppl {check['ppl_original']:.4f} -> {_fmt(check.get('ppl_converted'), '.4f')}")
+        lines.append(f"check:    {check.get('tokens')} tokens, " + ", ".join(numbers))
         verdict = "PASSED" if check.get("passed") else "FAILED"
         lines.append(f"          {verdict}" + (f" (tolerance: {tol_text})" if tol_text else ""))
         for failure in check.get("failures") or []:
@@ -234,3 +265,36 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
     if report_path is not None:
         lines.append(f"report:   {report_path}")
     return "\n".join(lines)
+
+
+# -- zoo (owned by the walker's maintainer; the logic lives in normswap/zoo.py) -------------------------
+@main.command()
+@click.option("--output", "-o", type=click.Path(path_type=Path), help="Write the Markdown table here.")
+@click.option("--only", multiple=True, metavar="NAME", help="Run only these zoo rows (repeatable).")
+def zoo(output, only):
+    """Convert every tiny zoo model, check it, print (or write) the coverage table; exit 1 if a row fails."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from normswap import zoo as zoo_lib
+
+    _quiet_transformers()
+    names = {e.name for e in zoo_lib.ZOO}
+    unknown = sorted(set(only) - names)
+    if unknown:
+        raise NormswapError(f"unknown zoo row(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    entries = [e for e in zoo_lib.ZOO if not only or e.name in only]
+    results = zoo_lib.run_zoo(entries, progress=lambda r: _step(f"{r.name}: {'ok' if r.passed else 'FAIL'}"))
+    table = zoo_lib.coverage_markdown(results)
+    if output is not None:
+        output.write_text(table)
+        _step(f"wrote {output}")
+    else:
+        click.echo(table)
+    if not all(r.passed for r in results):
+        raise SystemExit(1)
+
+
+from normswap.check.command import check_command  # noqa: E402
+from normswap.evaluate import eval_command  # noqa: E402
+
+main.add_command(check_command)  # defined beside its logic in normswap/check/command.py
+main.add_command(eval_command)

@@ -225,6 +225,11 @@ def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = ""
     if not _close((offset + w) * n + b, y, rtol=1e-4):
         return None
     eps = _snap_eps(_measure_eps(probe, n, offset + w, b), module)
+    ref_dtype = getattr(module, scale_name).dtype if scale_name else torch.float32
+    if eps > 0 and abs(eps - torch.finfo(torch.float64).eps) <= 0.02 * eps and ref_dtype != torch.float64:
+        # The module adds the machine epsilon of its input dtype (nn.RMSNorm with eps=None): measured in
+        # float64 that is 2.2e-16; the model runs it in its own dtype.
+        eps = torch.finfo(ref_dtype).eps
     if scale_name is None:
         offset = 0.0  # parameter-free: y = n, recorded as the w convention with no w
         param_shape = (input_shape[-1],)

@@ -10,17 +10,26 @@ During a single short forward (2 x 16 token ids by default):
   multiples) stay tagged with a dim map (``dimmap.py``) that says where the source's feature axis went.
   Tensors derived from parameters are tagged the same way, so an op that contracts the feature axis with a
   parameter's axis (``F.linear``, ``matmul``/``addmm`` as in GPT-2's Conv1D and Falcon, ``_grouped_mm`` as in
-  transformers 5's stacked MoE experts) is recorded as a *consumer* of that parameter along that axis. Any
-  other use (a residual add, RoPE, attention scores, an activation, a model output) is recorded with the op
-  and module that made it.
+  transformers 5's stacked MoE experts) is recorded as a *consumer* of that parameter along that axis. Plain
+  matrix products are read both ways (``x @ W`` and ``W @ x``, as transformers' batched experts do); a
+  parameter added to a consumer's result, directly or after a reshape (Falcon's ``x @ W.T + b``,
+  ``bmm(...).squeeze(-1).add_(b)``), is that consumer's bias. Ops that read only a shape or dtype
+  (``zeros_like``, ``x.type_as(norm_out)``) are not uses. Any other use (a residual add, RoPE, attention
+  scores, an activation, a model output) is recorded with the op and module that made it.
+* after the forward, a module that never ran but has an interchangeable sibling that received a norm's output
+  (a routed expert that got no token) is run once on that sibling's inputs, so its consumers are seen too.
 
 After the forward the hooks are removed, the module modes restored, and the sources are probed
 (``probe.py``); only those that behave as norms become ``NormSite``s. A norm is foldable when every use of
-its output is a consumer, its scale is one value per feature, and (for a bias) every consumer adds a bias.
+its output is a consumer, its scale is one value per feature, (for a bias) every consumer adds a bias, and
+no parameter that the trace never used sits next to one of its consumers (``_guard_untouched``).
+
+No per-architecture special case lives here; everything is decided by the ops seen and the module tree.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -130,8 +139,7 @@ class _Tracer(TorchFunctionMode):
                     self.owners[qual].append((mod_name, attr))
         self.params: dict[str, torch.Tensor] = {self.param_names[id(p)]: p for p in model.parameters()}
         self.pref: dict[int, _PRef] = {
-            id(p): _PRef(self.param_names[id(p)], dimmap.identity(p.ndim))
-            for p in model.parameters()
+            id(p): _PRef(self.param_names[id(p)], dimmap.identity(p.ndim)) for p in model.parameters()
         }
         self.tags: dict[int, list[_Tag]] = {}
         self.keep: list[torch.Tensor] = []  # holds tagged tensors alive so ids are not reused
@@ -141,10 +149,47 @@ class _Tracer(TorchFunctionMode):
         self.param_uses: dict[str, list[tuple[str, str]]] = defaultdict(list)
         self.results: dict[int, list[Consumer]] = {}  # id(op output) -> consumers that produced it
         self.module_of_call: list[nn.Module] = []
+        self.first_args: dict[int, tuple] = {}  # id(module) -> positional args of its first call
 
     # -- module hooks -------------------------------------------------------------------------------------
     def pre_hook(self, module, args):
         self.stack.append(self.names.get(id(module), type(module).__name__))
+        if id(module) not in self.first_args:
+            self.first_args[id(module)] = args
+
+    def replay_idle_siblings(self, model: nn.Module) -> None:
+        """Run, once, every module the forward never called whose sibling (same parent, same class, same
+        parameter names and shapes) was called with a norm's output: on the sibling's first inputs.
+
+        Routed experts that received no token in the trace are interchangeable with those that did, and would
+        read the same norm output on other inputs; replaying one shows its consumers by the same dataflow.
+        Only modules whose recorded inputs carry a norm's output are replayed, so nothing that merely sits
+        idle (an unused head, a skipped layer) runs. What a replayed module returns is discarded.
+        """
+        for parent in model.modules():
+            children = list(parent.children())
+            called = [c for c in children if id(c) in self.first_args]
+            for child in children:
+                if id(child) in self.first_args or not any(True for _ in child.parameters()):
+                    continue
+                signature = [(n, p.shape) for n, p in child.named_parameters()]
+                twin = next(
+                    (c for c in called if type(c) is type(child)
+                     and [(n, p.shape) for n, p in c.named_parameters()] == signature),
+                    None,
+                )  # fmt: skip
+                if twin is None:
+                    continue
+                args = self.first_args[id(twin)]
+                flat, _ = tree_flatten(args)
+                if not any(isinstance(a, torch.Tensor) and id(a) in self.tags for a in flat):
+                    continue
+                saved = list(self.stack)
+                try:
+                    child(*args)
+                except Exception:  # noqa: BLE001 - a sibling that cannot be replayed stays "untouched"
+                    pass
+                self.stack = saved
 
     def post_hook(self, module, args, output):
         if self.stack:
@@ -240,8 +285,12 @@ class _Tracer(TorchFunctionMode):
                 return self._derive(
                     src,
                     out,
-                    lambda d: (None,) * lead
-                    + tuple(d[i] if src.shape[i] == out.shape[lead + i] else None for i in range(src.ndim)),
+                    lambda d: (
+                        (None,) * lead
+                        + tuple(
+                            d[i] if src.shape[i] == out.shape[lead + i] else None for i in range(src.ndim)
+                        )
+                    ),
                 )
             return self._derive(src, out, lambda d: dimmap.after_reshape(d, src.shape, out.shape))
         if name in dimmap.TRANSPOSE:
@@ -275,7 +324,9 @@ class _Tracer(TorchFunctionMode):
                 if name == "unbind":
                     self._derive(src, piece, lambda d: tuple(v for i, v in enumerate(d) if i != dim))
                 else:
-                    self._derive(src, piece, lambda d: tuple(None if i == dim else v for i, v in enumerate(d)))
+                    self._derive(
+                        src, piece, lambda d: tuple(None if i == dim else v for i, v in enumerate(d))
+                    )
             return True
         return False
 
@@ -290,12 +341,16 @@ class _Tracer(TorchFunctionMode):
             self.pref[id(out)] = _PRef(ref.param, dims)
             self.keep.append(out)
             return True
-        ok = True
         for tag in self.tags[id(src)]:
             dims = fn(tag.dims)
-            if dims is None or len(dims) != out.ndim or _Tag(tag.source, dims, tag.base_ndim).feature_axis() is None:
-                self._nonlinear([tag], "reshape", f"is reshaped or sliced across its feature axis in {self._module()}")
-                ok = False
+            if (
+                dims is None
+                or len(dims) != out.ndim
+                or _Tag(tag.source, dims, tag.base_ndim).feature_axis() is None
+            ):
+                self._nonlinear(
+                    [tag], "reshape", f"is reshaped or sliced across its feature axis in {self._module()}"
+                )
                 continue
             self._tag(out, _Tag(tag.source, dims, tag.base_ndim))
         return True
@@ -322,14 +377,18 @@ class _Tracer(TorchFunctionMode):
         elif id(right) in self.tags:
             self._nonlinear(self.tags[id(right)], name, f"is the right operand of {name} in {self._module()}")
         consumers = []
-        for ref in {self.pref[id(t)].param: self.pref[id(t)] for t in (left, right) if id(t) in self.pref}.values():
+        for ref in {
+            self.pref[id(t)].param: self.pref[id(t)] for t in (left, right) if id(t) in self.pref
+        }.values():
             self.param_uses[ref.param].append((name, self._module()))
         for act, act_axis, weight, w_axis in pairs:
             tags = self.tags.get(id(act), [])
             ref = self.pref.get(id(weight))
             for tag in tags:
                 if ref is None:
-                    self._nonlinear([tag], name, f"is multiplied by an activation ({name}) in {self._module()}")
+                    self._nonlinear(
+                        [tag], name, f"is multiplied by an activation ({name}) in {self._module()}"
+                    )
                     continue
                 base_axis = ref.dims[w_axis] if w_axis < len(ref.dims) else None
                 if tag.feature_axis() != act_axis or base_axis is None:
@@ -357,7 +416,11 @@ class _Tracer(TorchFunctionMode):
 
     def _is_result_plus_param(self, args) -> bool:
         pair = [a for a in args[:2] if isinstance(a, torch.Tensor)]
-        return len(pair) == 2 and any(id(a) in self.results for a in pair) and any(id(a) in self.pref for a in pair)
+        return (
+            len(pair) == 2
+            and any(id(a) in self.results for a in pair)
+            and any(id(a) in self.pref for a in pair)
+        )
 
     def _bias(self, args, out) -> None:
         """``linear_out + param`` right after a consumer op: that parameter is the consumer's bias.
@@ -403,27 +466,33 @@ def _example_inputs(model: nn.Module, input_ids: torch.Tensor | None) -> dict:
 
 def trace(model: nn.Module, input_ids: torch.Tensor | None = None) -> tuple[_Tracer, object]:
     """Run one forward of ``model`` under the tracer and return it with the model's output."""
+    inputs = _example_inputs(model, input_ids)
+    if not _accepts(model, "use_cache"):
+        inputs.pop("use_cache")
     tracer = _Tracer(model)
     modes = {m: m.training for m in model.modules()}
-    model.eval()
+    for m in modes:
+        m.training = False  # eval mode without calling train()/eval(), which a model may override
     handles = [
         nn.modules.module.register_module_forward_pre_hook(tracer.pre_hook),
         nn.modules.module.register_module_forward_hook(tracer.post_hook),
     ]
     try:
         with torch.no_grad(), tracer:
-            try:
-                output = model(**_example_inputs(model, input_ids))
-            except TypeError:
-                inputs = _example_inputs(model, input_ids)
-                inputs.pop("use_cache", None)
-                output = model(**inputs)
+            output = model(**inputs)
+            tracer.replay_idle_siblings(model)
     finally:
         for h in handles:
             h.remove()
         for m, mode in modes.items():
-            m.train(mode)
+            m.training = mode
     return tracer, output
+
+
+def _accepts(model: nn.Module, keyword: str) -> bool:
+    """Whether ``model.forward`` takes ``keyword`` (by name or through ``**kwargs``)."""
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def walk(model: nn.Module, input_ids: torch.Tensor | None = None) -> Walk:
@@ -432,7 +501,7 @@ def walk(model: nn.Module, input_ids: torch.Tensor | None = None) -> Walk:
     Args:
         model: any ``nn.Module`` whose forward takes ``input_ids`` (Hugging Face models); left exactly as it
             was (parameters, modes, hooks).
-        input_ids: ``(batch, seq)`` int64 token ids for the trace; default 2 x 16 random ids from a fixed seed.
+        input_ids: ``(batch, seq)`` int64 token ids for the trace; default 2 x 16 random ids, fixed seed.
 
     Returns:
         A ``Walk`` with one ``NormSite`` per norm module, in the order the forward first called them.
@@ -451,7 +520,44 @@ def walk(model: nn.Module, input_ids: torch.Tensor | None = None) -> Walk:
     untouched = sorted(
         n for n in all_params - used if model.get_parameter(n).ndim >= 2 and not _is_norm_param(n, sites)
     )
-    return Walk(sites=sites, param_uses=dict(tracer.param_uses), owners=dict(tracer.owners), untouched=untouched)
+    for site in sites:
+        if site.foldable:
+            _guard_untouched(site, untouched, tracer.params)
+    return Walk(
+        sites=sites, param_uses=dict(tracer.param_uses), owners=dict(tracer.owners), untouched=untouched
+    )
+
+
+def _common_depth(a: str, b: str) -> int:
+    """Number of leading module-path components ``a`` and ``b`` share."""
+    depth = 0
+    for x, y in zip(a.split("."), b.split("."), strict=False):
+        if x != y:
+            break
+        depth += 1
+    return depth
+
+
+def _guard_untouched(site: NormSite, untouched: list[str], params: dict[str, torch.Tensor]) -> None:
+    """Keep a norm unfolded when a parameter no op used could be one of its consumers on other inputs.
+
+    Such a parameter (one with an axis as wide as the norm's features) is suspect when it sits closer to a
+    consumer than the norm does: inside the part of the model the norm's output flows into (an expert that
+    received no token and that ``replay_idle_siblings`` could not run). Folding would then scale the
+    consumers seen but not that one, so the site is left unfolded, with the parameter named.
+    """
+    width = site.shape[-1]
+    for param in untouched:
+        if width not in params[param].shape:
+            continue
+        for c in site.consumers:
+            if _common_depth(param, c.module) > _common_depth(site.name, c.module):
+                site.foldable = False
+                site.reason = (
+                    f"parameter {param} next to consumer {c.module} was never used in the trace and may "
+                    f"read this norm's output on other inputs"
+                )
+                return
 
 
 def _is_norm_param(name: str, sites: list[NormSite]) -> bool:

@@ -49,33 +49,99 @@ _ARCH_DEFAULTS: dict[str, dict] = {
     "smollm3": dict(pad_token_id=0),
     "glm": dict(pad_token_id=0),
     "glm4": dict(pad_token_id=0),
-    "jamba": dict(num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
-                  expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_expand=2),
-    "gemma3n_text": dict(num_kv_shared_layers=0, altup_num_inputs=2, laurel_rank=8, hidden_size_per_layer_input=8,
-                         vocab_size_per_layer_input=128, intermediate_size=[128, 128],
-                         activation_sparsity_pattern=[0.0, 0.0]),
+    "falcon_h1": dict(
+        mamba_d_ssm=128,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
+        mamba_rms_norm=True,
+    ),
+    "jamba": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=8,
+        mamba_expand=2,
+    ),
+    "gemma3n_text": dict(
+        num_kv_shared_layers=0,
+        altup_num_inputs=2,
+        laurel_rank=8,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128,
+        intermediate_size=[128, 128],
+        activation_sparsity_pattern=[0.0, 0.0],
+    ),
     "deepseek_v3": dict(
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8, num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        head_dim=8,
+        num_key_value_heads=4,
     ),  # fmt: skip
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, experts_per_token=2, sliding_window=8),
     "olmoe": dict(_MOE, intermediate_size=32),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
     "phimoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
-    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
-                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0), ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)),
-    "switch_transformers": dict(d_model=64, d_ff=128, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=4,
-                                num_experts=4, expert_capacity=8, num_sparse_encoder_layers=1,
-                                num_sparse_decoder_layers=1),
+    "dbrx": dict(
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=64,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+    ),
+    "switch_transformers": dict(
+        d_model=64,
+        d_ff=128,
+        d_kv=16,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        num_experts=4,
+        expert_capacity=8,
+        num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1,
+    ),
     "deepseek_v2": dict(
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8, num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        head_dim=8,
+        num_key_value_heads=4,
     ),
     "mpt": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=64, expansion_ratio=2),
-    "qwen3_next": dict(_MOE, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                       linear_value_head_dim=16, shared_expert_intermediate_size=32),
+    "qwen3_next": dict(
+        _MOE,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        shared_expert_intermediate_size=32,
+    ),
     "t5": dict(d_model=64, d_ff=128, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=4),
     "bert": dict(max_position_embeddings=64),
 }
@@ -131,13 +197,23 @@ ZOO: list[ZooEntry] = [
     ZooEntry("gpt_oss-batched", "gpt_oss", dict(experts_implementation="batched_mm")),
     ZooEntry("mixtral-eager", "mixtral", dict(experts_implementation="eager")),
     ZooEntry("mixtral-batched", "mixtral", dict(experts_implementation="batched_mm")),
-    ZooEntry("falcon-rw", "falcon", dict(bias=True, alibi=True, parallel_attn=False, multi_query=False, num_kv_heads=4)),
+    ZooEntry(
+        "falcon-rw",
+        "falcon",
+        dict(bias=True, alibi=True, parallel_attn=False, multi_query=False, num_kv_heads=4),
+    ),
     ZooEntry("nemotron", "nemotron"),
     ZooEntry("olmoe", "olmoe"),
     ZooEntry("granitemoe", "granitemoe"),
     ZooEntry("phimoe", "phimoe"),
     ZooEntry("dbrx", "dbrx"),
-    ZooEntry("switch_transformers", "switch_transformers"),
+    # Untied, because its forward reads config.tie_word_embeddings at run time, so untying changes what it
+    # computes (tests/test_zoo.py::test_untying_keeps_a_forward_that_reads_the_tie_flag); initializer_factor
+    # 0.05 because the untied lm_head is initialized with std 1.0, and logits of size ~40 carry float32
+    # rounding of ~2e-5 on their own.
+    ZooEntry(
+        "switch_transformers", "switch_transformers", dict(tie_word_embeddings=False, initializer_factor=0.05)
+    ),
     ZooEntry("deepseek_v2", "deepseek_v2"),
     ZooEntry("persimmon", "persimmon"),
     ZooEntry("mpt", "mpt"),
@@ -329,6 +405,8 @@ class ZooResult:
     max_abs_diff: float = float("nan")
     top1: float = float("nan")
     error: str | None = None
+    sites: list = field(default_factory=list, repr=False)
+    module_names: set[str] = field(default_factory=set, repr=False)
 
     @property
     def passed(self) -> bool:
@@ -360,10 +438,74 @@ def run_entry(entry: ZooEntry) -> ZooResult:
     except Exception as error:  # noqa: BLE001 - a row records the failure instead of stopping the table
         result.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         return result
-    result.found, result.folded, result.swapped = report.norms_found, report.norms_folded, report.norms_swapped
+    result.found, result.folded, result.swapped = (
+        report.norms_found,
+        report.norms_folded,
+        report.norms_swapped,
+    )
+    result.sites = report.sites
+    result.module_names = {name for name, _ in model.named_modules() if name}
     result.swapped_only = [(s.name, s.reason or "") for s in report.sites if not s.folded]
     result.max_abs_diff = (before - after).abs().max().item()
-    if before.ndim == 3 and before.shape[-1] == getattr(model, "config", None) and False:
-        pass
     result.top1 = (before.argmax(-1) == after.argmax(-1)).double().mean().item()
     return result
+
+
+def run_zoo(entries: list[ZooEntry] | None = None, progress=None) -> list[ZooResult]:
+    """``run_entry`` over ``entries`` (default ``ZOO``); ``progress(result)`` is called after each row."""
+    results = []
+    for entry in ZOO if entries is None else entries:
+        results.append(run_entry(entry))
+        if progress is not None:
+            progress(results[-1])
+    return results
+
+
+def _pattern(name: str) -> str:
+    """``model.layers.3.self_attn.q_norm`` -> ``model.layers.*.self_attn.q_norm`` (groups repeated layers)."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def _swapped_only(result: ZooResult) -> str:
+    groups: dict[tuple[str, str], int] = {}
+    for name, reason in result.swapped_only:
+        key = (_pattern(name), _pattern(reason))
+        groups[key] = groups.get(key, 0) + 1
+    return "<br>".join(
+        f"{count} x `{name}`: {reason}" if count > 1 else f"`{name}`: {reason}"
+        for (name, reason), count in groups.items()
+    )
+
+
+def coverage_markdown(results: list[ZooResult]) -> str:
+    """The coverage table (docs/COVERAGE.md) as Markdown."""
+    import transformers
+
+    passed = sum(r.passed for r in results)
+    lines = [
+        "# Coverage: the walker on a zoo of architectures",
+        "",
+        "Generated by `normswap zoo --output docs/COVERAGE.md` (normswap/zoo.py); asserted row by row in",
+        "tests/test_zoo.py. Do not edit by hand.",
+        "",
+        f"Each row is a tiny random model built from its transformers {transformers.__version__} config",
+        "(vocab 128, hidden 64, 2 layers; float32) with every norm weight and bias re-randomized",
+        "(identity + U(-0.5, 0.5)), converted in place by `normswap.convert(model)` (fold + swap), and",
+        "compared with its unconverted deepcopy on 2 x 16 token ids the conversion did not trace with.",
+        f"Passed: max abs logit difference <= {TOLERANCE:g}, top-1 agreement 100%, every norm swapped.",
+        "`custom` is `normswap.zoo.CustomLM`: hand-written norms named `Squash`/`Standardize` with",
+        "parameters `gain`, `alpha`, `beta`, no config, no transformers classes.",
+        "",
+        f"**{passed} / {len(results)} passed.**",
+        "",
+        "| architecture | model_type | norms | folded | swapped | max abs diff | top-1 | passed "
+        "| swapped only (why) |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in results:
+        why = f"error: {r.error}" if r.error else _swapped_only(r)
+        lines.append(
+            f"| {r.name} | {r.model_type} | {r.found} | {r.folded} | {r.swapped} | {r.max_abs_diff:.1e} | "
+            f"{r.top1:.0%} | {'yes' if r.passed else '**no**'} | {why.replace('|', '/')} |"
+        )
+    return "\n".join(lines) + "\n"

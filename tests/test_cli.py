@@ -17,10 +17,12 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
-import normswap.check
-import normswap.convert
 from normswap.cli import main
 from normswap.errors import NormswapError
+
+# ``normswap.convert`` / ``normswap.check`` name the public functions; the CLI imports from the modules.
+convert_module = sys.modules["normswap.convert"]
+check_module = sys.modules["normswap.check"]
 
 REPORT_KEYS = {"model", "norms_found", "norms_folded", "norms_swapped", "sites", "check"}
 SITE_KEYS = {"name", "kind", "offset", "consumers", "folded", "reason"}
@@ -108,11 +110,17 @@ def test_output_inside_input(tiny_model, tmp_path):
     assert {p.name: digest(p) for p in model_dir.iterdir()} == before
 
 
+def test_unwritable_report_fails_before_any_work(tiny_gguf, tmp_path):
+    result = run("convert", tiny_gguf, "--output", tmp_path / "out", "--report", tmp_path / "no" / "r.json")
+    assert_bad_input(result, "does not exist")
+    assert not (tmp_path / "out").exists()
+
+
 def test_model_without_norms(tiny_gguf, tmp_path, monkeypatch):
     def no_norms(model, **kwargs):
         raise NormswapError("tiny: no normalization module found")
 
-    monkeypatch.setattr(normswap.convert, "convert", no_norms)
+    monkeypatch.setattr(convert_module, "convert", no_norms)
     result = run("convert", tiny_gguf, "--output", tmp_path / "out")
     assert_bad_input(result, "no normalization module")
     assert not (tmp_path / "out").exists()
@@ -143,14 +151,14 @@ def test_convert_end_to_end(tiny_gguf, tmp_path):
 
 
 def test_check_failure_exits_1_and_saves_nothing(tiny_gguf, tmp_path, monkeypatch):
-    real_compare = normswap.check.compare
+    real_compare = check_module.compare
 
     def failing(*args, **kwargs):
         result = real_compare(*args, **kwargs)
         result.passed, result.failures = False, ["forced failure for the test"]
         return result
 
-    monkeypatch.setattr(normswap.check, "compare", failing)
+    monkeypatch.setattr(check_module, "compare", failing)
     out, report = tmp_path / "out", tmp_path / "r.json"
     result = run("convert", tiny_gguf, "--output", out, "--report", report, "--tokens", "32")
     assert result.exit_code == 1

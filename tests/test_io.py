@@ -286,6 +286,24 @@ def test_load_gguf_weights_match_file(tiny_gguf):
     ]  # byte tokens follow 3 specials
 
 
+def test_gguf_load_speedups_are_exact(tiny_gguf):
+    """load_model's shared GGUF parsing gives what plain transformers gives, and is undone afterwards."""
+    import gguf
+
+    reader_cls = gguf.GGUFReader
+    model, tokenizer, _ = load_model(tiny_gguf)
+    assert gguf.GGUFReader is reader_cls
+    kwargs = {"gguf_file": tiny_gguf.name}
+    plain = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, dtype=torch.float32, **kwargs)
+    plain_tokenizer = AutoTokenizer.from_pretrained(tiny_gguf.parent, **kwargs)
+    assert model.config.to_dict() == plain.config.to_dict()
+    state = model.state_dict()
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    text = "Folding norms: (1 + w) * x / rms(x)."
+    assert tokenizer(text)["input_ids"] == plain_tokenizer(text)["input_ids"]
+
+
 def test_load_dtype(tiny_gguf):
     model32 = load_model(tiny_gguf, tokenizer=False).model
     model16 = load_model(tiny_gguf, dtype="bfloat16", tokenizer=False).model

@@ -19,7 +19,7 @@ from .metrics import (
     perplexity,
     summarize_logits,
 )
-from .policy import HALF, default_tolerance, dtype_name, judge
+from .policy import HALF, default_tolerance, dtype_name, judge, top1_within_margin
 
 MAX_LOGITS_BYTES = 2**30  # keep reference logits up to this size; summarize beyond
 
@@ -76,8 +76,10 @@ class CheckResult:
     """Converted vs original: metrics, the tolerance applied, the verdict, where it broke.
 
     Differences are over the compared output (``output``: logits, or the last hidden state for encoders);
-    KL is KL(original || converted) per token in nats; agreements are fractions in [0, 1]. Fields that
-    do not apply (KL for an encoder, half-precision details in float32) are ``None``.
+    KL is KL(original || converted) per token in nats; agreements are fractions in [0, 1];
+    ``top1_agreement_margin`` counts top-1 flips at near-ties (original's top-2 margin below twice the
+    max-abs tolerance) as agreement, ``top1_flip_max_margin`` is the largest margin at which the top-1
+    flipped. Fields that do not apply (KL for an encoder, half-precision details in float32) are ``None``.
     """
 
     max_abs_logit_diff: float
@@ -87,6 +89,7 @@ class CheckResult:
     kl_max: float | None
     top1_agreement: float | None
     top1_agreement_margin: float | None
+    top1_flip_max_margin: float | None
     top5_agreement: float | None
     ppl_original: float | None
     ppl_converted: float | None
@@ -113,9 +116,14 @@ class CheckResult:
         lines = [f"check {verdict} ({self.dtype}, {self.tokens} tokens, {self.output})"]
         lines.append(f"  max abs diff {self.max_abs_logit_diff:.3g}  mean abs {self.mean_abs_logit_diff:.3g}")
         if self.kl_mean is not None:
+            near = (
+                ""
+                if self.top1_agreement_margin is None
+                else f" (near-ties allowed {self.top1_agreement_margin:.2%})"
+            )
             lines.append(
-                f"  KL mean {self.kl_mean:.3g} max {self.kl_max:.3g}  top-1 {self.top1_agreement:.2%}"
-                f" (margin-aware {self.top1_agreement_margin:.2%})  top-5 {self.top5_agreement:.2%}"
+                f"  KL mean {self.kl_mean:.3g} max {self.kl_max:.3g}  top-1 {self.top1_agreement:.2%}{near}"
+                f"  top-5 {self.top5_agreement:.2%}"
             )
         if self.ppl_original is not None:
             lines.append(f"  perplexity {self.ppl_original:.4f} -> {self.ppl_converted:.4f}")
@@ -326,7 +334,8 @@ def compare(
         kl_mean=m.get("kl_mean"),
         kl_max=m.get("kl_max"),
         top1_agreement=m.get("top1"),
-        top1_agreement_margin=m.get("top1_margin"),
+        top1_agreement_margin=top1_within_margin(m, tol) if is_logits and half is None else None,
+        top1_flip_max_margin=max(m["flip_margins"], default=None) if is_logits else None,
         top5_agreement=m.get("top5"),
         ppl_original=perplexity(m["nll_ref"], m["n_targets"]) if is_logits else None,
         ppl_converted=perplexity(m["nll_conv"], m["n_targets"]) if is_logits else None,

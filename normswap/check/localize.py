@@ -180,13 +180,14 @@ def localize(
 
     Returns:
         ``None`` when every point matches, else a dict: ``site``, ``layer``, ``point`` (``"module:where"``),
-        ``role``, ``rel_error``, ``threshold``, ``consumers``, ``action``, ``last_match`` and a one-line
-        ``description``. A diverging "norm input" means the change happened upstream of that norm,
-        after ``last_match``.
+        ``role``, ``rel_error``, ``threshold``, ``consumers``, ``action``, ``last_match``, ``suspect`` and a
+        one-line ``description``. A diverging "norm input" or "layer output" means the change happened
+        upstream, after ``last_match``; ``suspect`` is then the last norm site that still matched (the
+        change is in it or in what follows it), else the diverging site itself.
     """
     by_key = {(p.module, p.where): p for p in probes}
     site_by_name = {_site_name(s): s for s in sites or ()}
-    last_match = None
+    last_match = suspect = None
     for key, rel in rel_errors(ref, conv).items():
         module, rest = key.split(":", 1)
         where = rest.split("#", 1)[0]
@@ -194,6 +195,7 @@ def localize(
         threshold = rtol + (k * own.get(key, 0.0) if own else 0.0)
         if rel <= threshold:
             last_match = key
+            suspect = probe.site if probe and probe.site else suspect
             continue
         site = site_by_name.get(probe.site) if probe and probe.site else None
         consumers = (
@@ -203,10 +205,13 @@ def localize(
         )
         role = probe.role if probe else where
         name = probe.site if probe and probe.site else module
+        upstream = f"after {last_match}" + (
+            f", so in or after norm {suspect} and its consumers" if suspect else ""
+        )
         if role == "norm input":
-            what = f"the input of norm {name} already differs: the change is upstream, after {last_match}"
+            what = f"the input of norm {name} already differs: the change is upstream, {upstream}"
         elif role == "layer output":
-            what = f"the output of layer {module} differs first (after {last_match})"
+            what = f"the output of layer {module} differs first: the change is {upstream}"
         else:
             what = f"{role} {module} of norm {name} differs; {name} was {_action(site)}"
         return {
@@ -219,6 +224,7 @@ def localize(
             "consumers": consumers,
             "action": _action(site) if probe and probe.site else None,
             "last_match": last_match,
+            "suspect": suspect if role in ("norm input", "layer output") else name,
             "description": f"{what} (relative error {rel:.3g} > {threshold:.3g})",
         }
     return None

@@ -1,10 +1,13 @@
 """Tolerance policy per dtype: when a converted model counts as the same model.
 
 float64 / float32 (judged directly against the original):
-    pass when ``max_abs <= max_abs_tol`` and the margin-aware top-1 agreement is at least ``top1``
-    (a top-1 flip is allowed only where the original's top-2 margin is below twice the observed max abs
-    difference: a flip there is within the logit bound). float32: 2e-4 and 100%; a correct float32 fold
-    of SmolLM2-135M moves logits by ~6e-5 over 512 tokens, every wrong fold seen moved them >= 4e-3.
+    pass when ``max_abs <= max_abs_tol`` and the margin-aware top-1 agreement is at least ``top1``:
+    a top-1 flip counts as agreement only where the original's top-2 margin is below ``2 * max_abs_tol``
+    (a near-tie that logits within the bound may reorder). float32: 2e-4 and 100%; a correct float32
+    fold of SmolLM2-135M moves logits by ~6e-5 over 512 tokens, every wrong fold seen moved them >= 4e-3.
+    Note that a flip needs ``max_abs >= margin / 2``, so measured against the *observed* max abs every
+    flip would be "within the bound": the allowance uses the tolerance instead, and the raw agreement
+    and the largest flipped margin are reported next to it.
 
 bfloat16 / float16 (judged against an upcast reference): the original model is run once more with its
     parameters upcast to float32 (exact for half-precision values). With ``e(M) = max |logits(M) - ref32|``
@@ -45,6 +48,12 @@ def default_tolerance(dtype: torch.dtype | str) -> dict[str, float]:
     return dict(DEFAULT_TOLERANCE[name])
 
 
+def top1_within_margin(metrics: dict, tol: dict) -> float:
+    """Top-1 agreement counting flips at near-ties (top-2 margin < ``2 * tol["max_abs"]``) as agreement."""
+    allowed = sum(m < 2 * tol.get("max_abs", 0.0) for m in metrics["flip_margins"])
+    return metrics["top1"] + allowed / metrics["rows"]
+
+
 def judge(metrics: dict, tol: dict, half: dict | None) -> list[str]:
     """Failed criteria as readable strings (empty list: pass).
 
@@ -58,10 +67,9 @@ def judge(metrics: dict, tol: dict, half: dict | None) -> list[str]:
     if half is None:
         if metrics["max_abs"] > tol["max_abs"]:
             failures.append(f"max abs difference {metrics['max_abs']:.3g} > {tol['max_abs']:.3g}")
-        if "top1_margin" in metrics and metrics["top1_margin"] < tol.get("top1", 0.0):
-            failures.append(
-                f"top-1 agreement {metrics['top1_margin']:.4%} (margin-aware) < {tol['top1']:.4%}"
-            )
+        top1 = top1_within_margin(metrics, tol) if "top1" in metrics else 1.0
+        if top1 < tol.get("top1", 0.0):
+            failures.append(f"top-1 agreement {top1:.4%} (near-ties allowed) < {tol['top1']:.4%}")
         return failures
     orig, conv = half["original"], half["converted"]
     bound = tol["k"] * orig["max_abs"] + tol["abs"]

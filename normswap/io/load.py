@@ -15,12 +15,15 @@ Causal LMs load with ``AutoModelForCausalLM``; everything else (encoders such as
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import functools
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -234,28 +237,55 @@ def load_config(resolved: Resolved, *, trust_remote_code: bool = False):
 
 @contextlib.contextmanager
 def _gguf_loading():
-    """Two adjustments to transformers' GGUF loader, undone when the block ends.
+    """Speed up transformers' GGUF loader for one ``load_model`` call; everything is undone afterwards.
 
-    * ``gguf.get_tensor_name_map`` is memoized: transformers (5.24) rebuilds gguf's tensor-name map once
-      per module while matching GGUF tensor names to parameter names (about 400 times for SmolLM2), most
-      of the load time on a small CPU. The map is a pure function of (architecture, layer count) and is
-      only read, so the cache is exact.
-    * its per-tensor progress bar (plain ``tqdm``, which transformers' ``disable_progress_bar`` does not
-      reach) is shown only when stderr is a terminal, so scripts see normswap's own output only.
+    transformers (5.24) parses the whole GGUF header, tokenizer vocabulary included, for the config, again
+    for the weights and again for the tokenizer, and rebuilds gguf's tensor-name map once per module
+    (about 400 times for SmolLM2): together most of a GGUF load on a small CPU. Within the block:
+
+    * one ``gguf.GGUFReader`` is shared per file (it is only read from);
+    * the metadata-only parse ``load_gguf_checkpoint(path, return_tensors=False)`` runs once per file and
+      each caller gets its own deep copy of the result;
+    * ``gguf.get_tensor_name_map`` is memoized (a pure function of architecture and layer count);
+    * the loader's per-tensor progress bar (plain ``tqdm``, out of reach of transformers'
+      ``disable_progress_bar``) shows only when stderr is a terminal.
+
+    All four return exactly what the unpatched code returns.
     """
     import gguf
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    name_map, bar = gguf.get_tensor_name_map, getattr(gguf_utils, "tqdm", None)
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
-    if bar is not None:
-        gguf_utils.tqdm = functools.partial(bar, disable=None)  # None: off unless a terminal
-    try:
+    reader_cls, parse = gguf.GGUFReader, gguf_utils.load_gguf_checkpoint
+    readers: dict[tuple[str, str], Any] = {}
+    parsed: dict[str, dict] = {}
+
+    def shared_reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = reader_cls(path, mode)
+        return readers[key]
+
+    def parse_once(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:
+            return parse(path, return_tensors, *args, **kwargs)
+        key = os.path.realpath(path)
+        if key not in parsed:
+            parsed[key] = parse(path, return_tensors=False)
+        return copy.deepcopy(parsed[key])
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(gguf, "GGUFReader", shared_reader))
+        stack.enter_context(mock.patch.object(gguf_utils, "load_gguf_checkpoint", parse_once))
+        stack.enter_context(
+            mock.patch.object(
+                gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+            )
+        )
+        if hasattr(gguf_utils, "tqdm"):  # None: off unless stderr is a terminal
+            stack.enter_context(
+                mock.patch.object(gguf_utils, "tqdm", functools.partial(gguf_utils.tqdm, disable=None))
+            )
         yield
-    finally:
-        gguf.get_tensor_name_map = name_map
-        if bar is not None:
-            gguf_utils.tqdm = bar
 
 
 def load_model(
@@ -285,24 +315,24 @@ def load_model(
 
     resolved = resolve(source)
     dtype = torch_dtype(dtype)
-    config = load_config(resolved, trust_remote_code=trust_remote_code)
-    causal = is_causal_lm(config)
-    auto = AutoModelForCausalLM if causal else AutoModel
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if resolved.gguf_file:
         kwargs["gguf_file"] = resolved.gguf_file
-    try:
-        with _gguf_loading() if resolved.gguf_file else contextlib.nullcontext():
-            model = auto.from_pretrained(resolved.path, config=config, dtype=dtype, **kwargs)
-    except Exception as error:
-        raise _load_failure(resolved, "weights", error) from error
-    model.eval()
-    tok = None
-    if tokenizer:
+    with _gguf_loading() if resolved.gguf_file else contextlib.nullcontext():
+        config = load_config(resolved, trust_remote_code=trust_remote_code)
+        causal = is_causal_lm(config)
+        auto = AutoModelForCausalLM if causal else AutoModel
         try:
-            tok = AutoTokenizer.from_pretrained(resolved.path, **kwargs)
+            model = auto.from_pretrained(resolved.path, config=config, dtype=dtype, **kwargs)
         except Exception as error:
-            raise _load_failure(resolved, "tokenizer", error) from error
+            raise _load_failure(resolved, "weights", error) from error
+        model.eval()
+        tok = None
+        if tokenizer:
+            try:
+                tok = AutoTokenizer.from_pretrained(resolved.path, **kwargs)
+            except Exception as error:
+                raise _load_failure(resolved, "tokenizer", error) from error
     info = ModelInfo(
         source=resolved.source,
         kind=resolved.kind,

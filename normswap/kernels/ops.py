@@ -77,9 +77,9 @@ def _triton_reason(x: torch.Tensor, *params: torch.Tensor | None) -> str | None:
 def _pick(op: str, backend: str, x: torch.Tensor, *params: torch.Tensor | None) -> str:
     """Concrete backend for one call of ``op`` ("rms" or "layer")."""
     if backend == "auto":
-        if x.device.type == "cuda":
+        if x.is_cuda:
             return "triton" if _triton_reason(x, *params) is None else "torch"
-        if x.device.type == "cpu" and op == "rms":
+        if op == "rms" and x.is_cpu:
             return "eager"
         return "torch"
     if backend == "triton":
@@ -90,36 +90,62 @@ def _pick(op: str, backend: str, x: torch.Tensor, *params: torch.Tensor | None) 
     return backend
 
 
-def _triton():
-    from normswap.kernels import triton_norm  # lazy: imports triton
+def _kernels(name: str):
+    """The module implementing backend ``name`` ("compiled" or "triton"), imported on first use."""
+    if name == "compiled":
+        from normswap.kernels import compiled
+
+        return compiled
+    from normswap.kernels import triton_norm  # imports triton: only reached for CUDA tensors
 
     return triton_norm
 
 
-def _compiled():
-    from normswap.kernels import compiled
-
-    return compiled
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Custom ops. Inputs are made contiguous so outputs are always contiguous, as the fake impls promise.
+# Implementations: the body of each op. Eager calls run these directly (no dispatcher round trip, which
+# costs more than a decode-sized norm); under torch.compile they run behind the custom ops below.
+
+
+def _rms_impl(x, weight, eps, offset, cast_order, backend):
+    w, _ = ref.prepare_params(weight, None, offset, cast_order)
+    name = _pick("rms", backend, x, w)
+    if name == "eager":
+        return ref.rms_norm_math(x, w, eps, cast_order)
+    if name == "torch":
+        return ref.rms_norm_torch(x, w, eps, cast_order)
+    return _kernels(name).rms_norm(x, w, eps, cast_order)
+
+
+def _layer_impl(x, weight, bias, eps, offset, cast_order, backend):
+    w, b = ref.prepare_params(weight, bias, offset, cast_order)
+    name = _pick("layer", backend, x, w, b)
+    if name == "eager":
+        return ref.layer_norm_math(x, w, b, eps, cast_order)
+    if name == "torch":
+        return ref.layer_norm_torch(x, w, b, eps, cast_order)
+    return _kernels(name).layer_norm(x, w, b, eps, cast_order)
+
+
+def _add_rms_impl(x, residual, weight, eps, offset, cast_order, backend):
+    w, _ = ref.prepare_params(weight, None, offset, cast_order)
+    name = _pick("rms", backend, x, w, residual)
+    if name in ("compiled", "triton"):
+        return _kernels(name).add_rms_norm(x, residual, w, eps, cast_order)
+    h = x + residual
+    if name == "torch":
+        return ref.rms_norm_torch(h, w, eps, cast_order), h
+    return ref.rms_norm_math(h, w, eps, cast_order), h
+
+
+# Custom ops: what torch.compile sees for forced backends. Inputs are made contiguous so that outputs are
+# contiguous, as the fake (meta) impls promise.
 
 
 @torch.library.custom_op("normswap::rms_norm", mutates_args=())
 def _rms_norm_op(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, cast_order: str, backend: str
 ) -> torch.Tensor:
-    x = x.contiguous()
-    w, _ = ref.prepare_params(weight, None, offset, cast_order)
-    name = _pick("rms", backend, x, w)
-    if name == "triton":
-        return _triton().rms_norm(x, w, eps, cast_order)
-    if name == "compiled":
-        return _compiled().rms_norm(x, w, eps, cast_order)
-    if name == "torch":
-        return ref.rms_norm_torch(x, w, eps, cast_order).contiguous()
-    return ref.rms_norm_math(x, w, eps, cast_order)
+    return _rms_impl(x.contiguous(), weight, eps, offset, cast_order, backend).contiguous()
 
 
 @_rms_norm_op.register_fake
@@ -138,16 +164,7 @@ def _layer_norm_op(
     cast_order: str,
     backend: str,
 ) -> torch.Tensor:
-    x = x.contiguous()
-    w, b = ref.prepare_params(weight, bias, offset, cast_order)
-    name = _pick("layer", backend, x, w, b)
-    if name == "triton":
-        return _triton().layer_norm(x, w, b, eps, cast_order)
-    if name == "compiled":
-        return _compiled().layer_norm(x, w, b, eps, cast_order)
-    if name == "torch":
-        return ref.layer_norm_torch(x, w, b, eps, cast_order).contiguous()
-    return ref.layer_norm_math(x, w, b, eps, cast_order)
+    return _layer_impl(x.contiguous(), weight, bias, eps, offset, cast_order, backend).contiguous()
 
 
 @_layer_norm_op.register_fake
@@ -167,17 +184,8 @@ def _add_rms_norm_op(
     cast_order: str,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    x, residual = x.contiguous(), residual.contiguous()
-    w, _ = ref.prepare_params(weight, None, offset, cast_order)
-    name = _pick("rms", backend, x, w, residual)
-    if name == "triton":
-        return _triton().add_rms_norm(x, residual, w, eps, cast_order)
-    if name == "compiled":
-        return _compiled().add_rms_norm(x, residual, w, eps, cast_order)
-    h = x + residual
-    if name == "torch":
-        return ref.rms_norm_torch(h, w, eps, cast_order).contiguous(), h
-    return ref.rms_norm_math(h, w, eps, cast_order), h
+    y, h = _add_rms_impl(x.contiguous(), residual.contiguous(), weight, eps, offset, cast_order, backend)
+    return y.contiguous(), h.contiguous()
 
 
 @_add_rms_norm_op.register_fake
@@ -194,11 +202,14 @@ def _(x, residual, weight, eps, offset, cast_order, backend):
 # Public functional API.
 
 
-def _use_math(backend: str, *tensors: torch.Tensor | None) -> bool:
-    """True when the call should run the differentiable / compiler-visible reference math directly."""
+def _route(backend: str, *tensors: torch.Tensor | None) -> str:
+    """ "math": run the reference math inline (autograd differentiates it; a compiler traces and fuses it);
+    "op": the custom op (opaque to a compiler); "impl": call the backend directly (eager mode)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return True
-    return torch.compiler.is_compiling() and backend in ("auto", "compiled")
+        return "math"
+    if torch.compiler.is_compiling():
+        return "math" if backend in ("auto", "compiled") else "op"
+    return "impl"
 
 
 def rms_norm(
@@ -223,7 +234,7 @@ def rms_norm(
         backend: one of ``BACKENDS``; None reads ``$NORMSWAP_BACKEND``, default ``"auto"``.
 
     Returns:
-        Contiguous tensor of ``x``'s shape; dtype ``x.dtype`` in ``"fp32"`` order, the promotion of
+        Tensor of ``x``'s shape; dtype ``x.dtype`` in ``"fp32"`` order, the promotion of
         ``weight.dtype`` and ``x.dtype`` in ``"llama"`` order.
 
     Raises:
@@ -231,10 +242,13 @@ def rms_norm(
     """
     ref.check_args(x, weight, None, offset, cast_order)
     name = resolve_backend(backend)
-    if _use_math(name, x, weight):
-        w, _ = ref.prepare_params(weight, None, offset, cast_order)
-        return ref.rms_norm_math(x, w, eps, cast_order)
-    return torch.ops.normswap.rms_norm(x, weight, float(eps), float(offset), cast_order, name)
+    route = _route(name, x, weight)
+    if route == "impl":
+        return _rms_impl(x, weight, eps, offset, cast_order, name)
+    if route == "op":
+        return torch.ops.normswap.rms_norm(x, weight, float(eps), float(offset), cast_order, name)
+    w, _ = ref.prepare_params(weight, None, offset, cast_order)
+    return ref.rms_norm_math(x, w, eps, cast_order)
 
 
 def layer_norm(
@@ -258,17 +272,20 @@ def layer_norm(
         eps, offset, cast_order, backend: as in ``rms_norm``.
 
     Returns:
-        Contiguous tensor of ``x``'s shape; dtype as in ``rms_norm`` (the bias joins the promotion).
+        Tensor of ``x``'s shape; dtype as in ``rms_norm`` (the bias joins the promotion).
 
     Raises:
         ValueError: as in ``rms_norm``.
     """
     ref.check_args(x, weight, bias, offset, cast_order)
     name = resolve_backend(backend)
-    if _use_math(name, x, weight, bias):
-        w, b = ref.prepare_params(weight, bias, offset, cast_order)
-        return ref.layer_norm_math(x, w, b, eps, cast_order)
-    return torch.ops.normswap.layer_norm(x, weight, bias, float(eps), float(offset), cast_order, name)
+    route = _route(name, x, weight, bias)
+    if route == "impl":
+        return _layer_impl(x, weight, bias, eps, offset, cast_order, name)
+    if route == "op":
+        return torch.ops.normswap.layer_norm(x, weight, bias, float(eps), float(offset), cast_order, name)
+    w, b = ref.prepare_params(weight, bias, offset, cast_order)
+    return ref.layer_norm_math(x, w, b, eps, cast_order)
 
 
 def add_rms_norm(
@@ -300,8 +317,13 @@ def add_rms_norm(
     if not residual.is_floating_point():
         raise ValueError(f"residual must be floating point, got {residual.dtype}")
     name = resolve_backend(backend)
-    if _use_math(name, x, residual, weight):
-        w, _ = ref.prepare_params(weight, None, offset, cast_order)
-        h = x + residual
-        return ref.rms_norm_math(h, w, eps, cast_order), h
-    return torch.ops.normswap.add_rms_norm(x, residual, weight, float(eps), float(offset), cast_order, name)
+    route = _route(name, x, residual, weight)
+    if route == "impl":
+        return _add_rms_impl(x, residual, weight, eps, offset, cast_order, name)
+    if route == "op":
+        return torch.ops.normswap.add_rms_norm(
+            x, residual, weight, float(eps), float(offset), cast_order, name
+        )
+    w, _ = ref.prepare_params(weight, None, offset, cast_order)
+    h = x + residual
+    return ref.rms_norm_math(h, w, eps, cast_order), h

@@ -1,0 +1,78 @@
+"""``normswap check A B``: compare two saved checkpoints with the full checker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from normswap.errors import NormswapError
+
+
+def _manifest_sites(path) -> list:
+    """NormSite records from a checkpoint's ``normswap.json`` (empty when there is none)."""
+    from normswap.io import MANIFEST, read_manifest
+    from normswap.sites import NormSite
+
+    if not (Path(path) / MANIFEST).is_file():
+        return []
+    return [NormSite.from_dict(s) for s in read_manifest(path).get("sites", [])]
+
+
+@click.command("check")
+@click.argument("original")
+@click.argument("converted")
+@click.option("--tokens", type=click.IntRange(min=2), default=512, show_default=True, help="Tokens of text.")
+@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False), help="UTF-8 text file.")
+@click.option(
+    "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True
+)
+@click.option(
+    "--greedy", type=click.IntRange(min=0), default=0, show_default=True, help="New tokens to compare."
+)
+@click.option("--max-abs", type=float, help="Override the tolerance on the max abs logit difference.")
+@click.option("--device-map", help='Passed to from_pretrained, e.g. "auto".')
+@click.option("--report", type=click.Path(dir_okay=False), help="Write the CheckResult as JSON here.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the models' own Python code to run.")
+def check_command(
+    original, converted, tokens, text_file, dtype, greedy, max_abs, device_map, report, trust_remote_code
+):
+    """Compare CONVERTED against ORIGINAL (two MODELs, e.g. checkpoint directories) on real text.
+
+    Prints the metrics; exit code 0 when CONVERTED matches within the tolerance for the dtype
+    (docs/CHECKING.md), 1 when it does not (the first diverging norm site is named when CONVERTED has a
+    normswap manifest), 2 on bad input.
+    """
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from normswap.check import compare, default_input_ids, reference_outputs
+    from normswap.evaluate import load_for_eval, read_text
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code)
+    model, tokenizer = load_for_eval(original, **kw)
+    if tokenizer is None:
+        raise NormswapError(f"{original}: no tokenizer found")
+    if text_file is None:
+        input_ids = default_input_ids(tokenizer, tokens)
+    else:
+        ids = tokenizer(read_text(text_file)[0])["input_ids"][:tokens]
+        if len(ids) < 2:
+            raise NormswapError(f"{text_file}: gives fewer than 2 tokens")
+        input_ids = torch.tensor([ids])
+    sites = _manifest_sites(converted)
+    reference = reference_outputs(model, input_ids, sites=sites, greedy_tokens=greedy)
+    del model  # lean: one model in memory at a time
+    other, _ = load_for_eval(converted, tokenizer=False, **kw)
+    try:
+        result = compare(reference, other, tolerance={"max_abs": max_abs} if max_abs else None, sites=sites)
+    except ValueError as error:
+        raise NormswapError(f"{converted}: {error}") from error
+    if report:
+        Path(report).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    click.echo(result.summary())
+    if not result.passed:
+        raise SystemExit(1)

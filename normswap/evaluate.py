@@ -1,0 +1,305 @@
+"""Perplexity / KL evaluation of a converted model against its original, sharded with accelerate.
+
+Both models read the same windows of real text. Windows are spread over processes by a DataLoader
+prepared with ``accelerate`` (``accelerate launch --num_processes K -m normswap eval ...``), each process
+returns per-window sums (float64: next-token NLL of both models, KL(original || converted) summed over
+positions, top-1 agreements, token counts, max abs logit difference), ``gather_for_metrics`` collects them
+(dropping the samples accelerate duplicates to even out the last batch), and the main process sums them
+in window order. Sums, not means of means: the numbers for K processes equal those for one process up to
+float64 rounding and the float32 forward's thread-count effects (measured < 1e-9 relative, see
+docs/CHECKING.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import click
+import torch
+
+from normswap.check.metrics import logit_metrics, next_token_targets
+from normswap.check.text import default_text
+from normswap.errors import NormswapError
+
+# per-window record: index, nll original, nll converted, kl sum, top-1 agreements, positions, targets, max abs
+_FIELDS = ("window", "nll_original", "nll_converted", "kl_sum", "top1", "positions", "targets", "max_abs")
+
+
+def load_for_eval(source, *, dtype="float32", device_map=None, trust_remote_code=False, tokenizer=True):
+    """Load MODEL ``source`` for evaluation -> ``(model, tokenizer or None)``, in eval mode.
+
+    A directory holding a normswap manifest loads with ``normswap.load_pretrained`` (fused norms in place);
+    anything else through ``normswap.io.load_model`` (hub id, directory, ``.gguf``, short name).
+    ``device_map`` (e.g. ``"auto"``) is passed to ``from_pretrained`` (accelerate's big-model inference).
+
+    Raises:
+        NormswapError: the source cannot be resolved or loaded.
+    """
+    from transformers import AutoTokenizer
+
+    from normswap import io
+
+    resolved = io.resolve(source)
+    extra = {"device_map": device_map} if device_map else {}
+    if resolved.kind == "dir" and (Path(resolved.path) / io.MANIFEST).is_file():
+        model = io.load_pretrained(resolved.path, dtype=dtype, trust_remote_code=trust_remote_code, **extra)
+        tok = None
+        if tokenizer:
+            try:
+                tok = AutoTokenizer.from_pretrained(resolved.path)
+            except Exception as error:  # a checkpoint saved without tokenizer files
+                raise NormswapError(f"{source}: cannot load its tokenizer ({error})") from error
+        return model, tok
+    if not device_map:
+        loaded = io.load_model(source, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer)
+        return loaded.model, loaded.tokenizer
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
+    config = io.load.load_config(resolved, trust_remote_code=trust_remote_code)
+    auto = AutoModelForCausalLM if io.is_causal_lm(config) else AutoModel
+    try:
+        model = auto.from_pretrained(
+            resolved.path,
+            dtype=io.load.torch_dtype(dtype),
+            device_map=device_map,
+            trust_remote_code=trust_remote_code,
+            **kwargs,
+        )
+        tok = AutoTokenizer.from_pretrained(resolved.path, **kwargs) if tokenizer else None
+    except Exception as error:
+        raise NormswapError(f"{source}: cannot load with device_map={device_map!r} ({error})") from error
+    return model.eval(), tok
+
+
+def read_text(
+    text_file=None, dataset=None, *, dataset_config=None, split="test", column="text", min_chars=None
+):
+    """The evaluation text: a local UTF-8 file, a ``datasets`` dataset, or the offline default.
+
+    Args:
+        text_file: path of a text file.
+        dataset: name or path for ``datasets.load_dataset`` (needs the ``datasets`` package).
+        dataset_config, split, column: which configuration, split and text column of the dataset.
+        min_chars: stop collecting once the text has this many characters (``None``: all of it).
+
+    Returns:
+        ``(text, source description)``.
+
+    Raises:
+        NormswapError: unreadable file, ``datasets`` missing, unknown dataset/split/column, empty text.
+    """
+    if text_file is not None and dataset is not None:
+        raise NormswapError("pass either --text or --dataset, not both")
+    if text_file is not None:
+        try:
+            text = Path(text_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise NormswapError(f"{text_file}: cannot read as UTF-8 text ({error})") from error
+        source = str(text_file)
+    elif dataset is not None:
+        try:
+            import datasets
+        except ImportError as error:
+            raise NormswapError("--dataset needs the datasets package: pip install datasets") from error
+        try:
+            ds = datasets.load_dataset(dataset, dataset_config, split=split)
+        except Exception as error:
+            raise NormswapError(f"dataset {dataset!r} (split {split!r}) cannot be loaded: {error}") from error
+        if column not in ds.column_names:
+            raise NormswapError(f"dataset {dataset!r} has no column {column!r} (has {ds.column_names})")
+        parts, length = [], 0
+        for row in ds[column]:
+            if row:
+                parts.append(row)
+                length += len(row) + 1
+            if min_chars is not None and length >= min_chars:
+                break
+        text = "\n".join(parts)
+        source = f"{dataset}:{dataset_config or ''}:{split}"
+    else:
+        text, source = default_text(min_chars), "pydoc_data.topics"
+    if not text.strip():
+        raise NormswapError(f"{source}: the evaluation text is empty")
+    return text, source
+
+
+def text_windows(tokenizer, text: str, max_tokens: int, window: int) -> list[torch.Tensor]:
+    """Tokenize ``text``, keep the first ``max_tokens`` ids, cut them into consecutive windows.
+
+    Returns:
+        list of ``(1, w)`` long tensors, ``w == window`` except possibly the last (dropped if ``w < 2``).
+
+    Raises:
+        NormswapError: fewer than 2 tokens, or ``window < 2``.
+    """
+    if window < 2:
+        raise NormswapError(f"--window must be at least 2, got {window}")
+    ids = tokenizer(text)["input_ids"][:max_tokens]
+    if len(ids) < 2:
+        raise NormswapError(f"the evaluation text gives only {len(ids)} token(s)")
+    ids = torch.tensor([ids], dtype=torch.long)
+    return [w for w in ids.split(window, dim=1) if w.shape[1] >= 2]
+
+
+def make_accelerator():
+    """An ``Accelerator`` that runs distributed on CPUs when the machine has no accelerator device.
+
+    accelerate forms a multi-CPU (gloo) group only when told to use the CPU. ``accelerate launch --cpu
+    --num_processes K`` starts K processes only through ``mpirun`` (with ``--mpirun_hostfile``); without
+    MPI it starts one, which this function reports on stderr. On a CPU-only machine, ``accelerate launch
+    --multi_gpu --num_processes K`` (torchrun underneath) or ``torchrun --nproc_per_node K`` start K
+    processes, and this function turns them into a CPU group.
+    """
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=not torch.accelerator.is_available())
+    launched_for_many = (
+        "MASTER_ADDR" in os.environ and os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true"
+    )
+    if launched_for_many and acc.num_processes == 1:
+        click.echo(
+            "normswap: warning: accelerate launch --cpu started one process (it starts several CPU "
+            "processes only through mpirun); on a CPU-only machine use `accelerate launch --multi_gpu "
+            "--num_processes K`",
+            err=True,
+        )
+    return acc
+
+
+def _device(model):
+    return model.get_input_embeddings().weight.device
+
+
+@torch.no_grad()
+def window_record(original, converted, ids: torch.Tensor, index: int) -> torch.Tensor:
+    """Both models on one ``(1, w)`` window -> float64 tensor of shape ``(1, len(_FIELDS))`` (sums)."""
+    logits = []
+    for model in (original, converted):
+        out = model(input_ids=ids.to(_device(model)), use_cache=False)
+        logits.append(out.logits.reshape(-1, out.logits.shape[-1]).float().cpu())
+    m = logit_metrics(logits[0], logits[1], next_token_targets(ids))
+    row = (index, m["nll_ref"], m["nll_conv"], m["kl_mean"] * m["rows"], m["top1"] * m["rows"])
+    row += (m["rows"], m["n_targets"], m["max_abs"])
+    return torch.tensor([row], dtype=torch.float64)
+
+
+def summarize(records: torch.Tensor) -> dict:
+    """Sum gathered per-window records (any order, one row per window) into the report's metrics."""
+    records = records[records[:, 0].argsort()]  # window order: the same float64 sums for any K
+    sums = dict(zip(_FIELDS, records.sum(0).tolist(), strict=True))
+    targets, positions = sums["targets"], sums["positions"]
+    return {
+        "ppl_original": math.exp(sums["nll_original"] / targets),
+        "ppl_converted": math.exp(sums["nll_converted"] / targets),
+        "kl_mean": sums["kl_sum"] / positions,
+        "top1_agreement": sums["top1"] / positions,
+        "max_abs_logit_diff": records[:, 7].max().item(),
+        "tokens": int(positions),
+        "predicted_tokens": int(targets),
+        "windows": records.shape[0],
+    }
+
+
+def evaluate(original, converted, windows: list[torch.Tensor], accelerator=None, progress: bool = True):
+    """Evaluate both models on ``windows``, sharded over the accelerate processes.
+
+    Args:
+        original, converted: causal LMs (``.logits``) sharing a vocabulary.
+        windows: ``(1, w)`` long tensors (see :func:`text_windows`), the same list on every process.
+        accelerator: an ``accelerate.Accelerator`` (created if ``None``).
+        progress: show a tqdm bar (main process only).
+
+    Returns:
+        on every process, the metrics dict of :func:`summarize` plus ``num_processes``.
+    """
+    from torch.utils.data import DataLoader
+    from tqdm.auto import tqdm
+
+    acc = accelerator or make_accelerator()
+    loader = acc.prepare(DataLoader(list(range(len(windows))), batch_size=1))
+    bar = tqdm(total=len(windows), desc="eval windows", disable=not (progress and acc.is_main_process))
+    gathered = []
+    for batch in loader:
+        index = int(batch[0])
+        record = window_record(original, converted, windows[index], index).to(acc.device)
+        record = acc.gather_for_metrics(record)
+        gathered.append(record.cpu())
+        bar.update(record.shape[0])
+    bar.close()
+    return summarize(torch.cat(gathered)) | {"num_processes": acc.num_processes}
+
+
+@click.command("eval")
+@click.option("--model", "model_source", required=True, help="The original MODEL (as for convert).")
+@click.option("--converted", required=True, help="The converted checkpoint directory (or any MODEL).")
+@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False), help="UTF-8 text file.")
+@click.option("--dataset", help="A datasets dataset name/path (needs `pip install datasets`).")
+@click.option("--dataset-config", help="Configuration name of --dataset.")
+@click.option("--split", default="test", show_default=True, help="Split of --dataset.")
+@click.option("--column", default="text", show_default=True, help="Text column of --dataset.")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=2048, show_default=True)
+@click.option(
+    "--window", type=click.IntRange(min=2), default=512, show_default=True, help="Tokens per window."
+)
+@click.option(
+    "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True
+)
+@click.option(
+    "--device-map", help='Passed to from_pretrained, e.g. "auto" for models bigger than one device.'
+)
+@click.option("--report", type=click.Path(dir_okay=False), help="Write the JSON report here (main process).")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the models' own Python code to run.")
+def eval_command(
+    model_source, converted, text_file, dataset, dataset_config, split, column, max_tokens, window, dtype,
+    device_map, report, trust_remote_code,
+):  # fmt: skip
+    """Perplexity, KL and top-1 agreement of --converted vs --model on the same windows of real text.
+
+    Runs unchanged under `accelerate launch [--cpu] --num_processes K -m normswap eval ...`: windows are
+    sharded across processes and the results gathered; only the main process prints and writes --report.
+    """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    acc = make_accelerator()
+    original, tokenizer = load_for_eval(
+        model_source, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code
+    )
+    conv, _ = load_for_eval(
+        converted, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, tokenizer=False
+    )
+    for name, model in (("--model", original), ("--converted", conv)):
+        if device_map is None:
+            model.to(acc.device)
+        if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+            raise NormswapError(f"{name} is not a causal LM (no output embeddings to compute logits)")
+    text, source = read_text(
+        text_file,
+        dataset,
+        dataset_config=dataset_config,
+        split=split,
+        column=column,
+        min_chars=8 * max_tokens,
+    )
+    windows = text_windows(tokenizer, text, max_tokens, window)
+    result = evaluate(original, conv, windows, acc)
+    if acc.is_main_process:
+        result = {
+            "model": model_source, "converted": converted, "text": source, "window": window, "dtype": dtype,
+            **result,
+        }  # fmt: skip
+        if report:
+            Path(report).write_text(json.dumps(result, indent=2) + "\n")
+        click.echo(
+            f"eval: {result['tokens']} tokens in {result['windows']} windows, "
+            f"{result['num_processes']} process(es)\n"
+            f"  perplexity {result['ppl_original']:.6f} -> {result['ppl_converted']:.6f}\n"
+            f"  KL mean {result['kl_mean']:.4g}  top-1 agreement {result['top1_agreement']:.4%}  "
+            f"max abs logit diff {result['max_abs_logit_diff']:.3g}"
+        )
+    acc.end_training()
