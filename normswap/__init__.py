@@ -8,11 +8,13 @@ Public API::
     model = normswap.load_pretrained(path)          # a saved conversion, fused modules in place
 """
 
+from normswap.center import CenteringError
 from normswap.convert import ConvertReport, convert, inspect
 from normswap.errors import NormswapError
 from normswap.sites import Consumer, NormSite
 
 __all__ = [
+    "CenteringError",
     "Consumer",
     "ConvertReport",
     "NormSite",

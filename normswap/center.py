@@ -57,7 +57,6 @@ from normswap import dimmap
 from normswap.errors import NormswapError
 from normswap.kernels import FusedRMSNorm, rms_norm
 from normswap.sites import NormSite
-from normswap.swap import fused_module
 from normswap.walk import _IGNORED, Walk, _example_inputs, _func_name
 
 
@@ -468,10 +467,6 @@ class CenterResult:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
-
-    def swap(self, model: nn.Module, sites: list[NormSite]) -> int:
-        """``swap_centered``, for ``convert``."""
-        return swap_centered(model, sites)
 
 
 @dataclass
@@ -918,7 +913,7 @@ def center(
     Afterwards each LayerNorm site of ``walk`` has ``kind == "rmsnorm"`` (it computes the same as an
     RMSNorm with its weight and bias), biases that config flags can carry are added and recorded on the
     consumers (so ``fold`` absorbs the norm's bias), and shared parameters are untied in the walk's
-    records; ``fold`` and ``swap_centered`` then finish the conversion. A model without LayerNorm is
+    records; ``fold`` and ``swap.swap_norms`` then finish the conversion. A model without LayerNorm is
     left alone (``result.note``).
 
     Args:
@@ -978,29 +973,3 @@ class BiasedRMSNorm(FusedRMSNorm):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", bias_name={self.bias_name!r}"
-
-
-def swap_centered(model: nn.Module, sites: list[NormSite]) -> int:
-    """``swap.swap_norms`` for a centered model: an RMSNorm site with a bias gets a ``BiasedRMSNorm``.
-
-    Returns the number of modules swapped.
-    """
-    count = 0
-    for site in sites:
-        parent_name, _, attr = site.name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        original = getattr(parent, attr)
-        if site.kind == "rmsnorm" and site.bias is not None:
-            ref = getattr(original, site.bias)
-            new = BiasedRMSNorm(site.shape, site.eps, site.offset, site.cast_order, site.weight, site.bias,
-                                device=ref.device, dtype=ref.dtype)  # fmt: skip
-            for name in (site.weight, site.bias):
-                if name:
-                    getattr(new, name).data = getattr(original, name).detach().clone()
-            new.train(original.training)
-        else:
-            new = fused_module(site, original)
-        setattr(parent, attr, new)
-        site.swapped = True
-        count += 1
-    return count

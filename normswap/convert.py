@@ -135,5 +135,5 @@ def convert(
         report.untied = centering.untied + report.untied
         report.untie_bytes += centering.untie_bytes
     if swap:
-        report.norms_swapped = (centering.swap if centering else swap_norms)(model, result.sites)
+        report.norms_swapped = swap_norms(model, result.sites)
     return report

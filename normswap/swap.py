@@ -24,7 +24,12 @@ def fused_module(site: NormSite, original: nn.Module | None = None) -> nn.Module
     dtype = tensors[0].dtype if tensors else (getattr(torch, site.dtype) if site.dtype != "none" else None)
     common = dict(eps=site.eps, offset=site.offset, cast_order=site.cast_order, weight_name=site.weight,
                   device=device, dtype=dtype)  # fmt: skip
-    if site.kind == "rmsnorm":
+    if site.kind == "rmsnorm" and site.bias:
+        # a LayerNorm that centering turned into an RMSNorm but whose bias could not be folded
+        from normswap.center import BiasedRMSNorm
+
+        fused = BiasedRMSNorm(site.shape, bias_name=site.bias, **common)
+    elif site.kind == "rmsnorm":
         fused = FusedRMSNorm(site.shape, **common)
     elif site.kind == "layernorm":
         fused = FusedLayerNorm(site.shape, bias_name=site.bias, **common)

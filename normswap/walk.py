@@ -149,13 +149,17 @@ class _Tracer(TorchFunctionMode):
         self.param_uses: dict[str, list[tuple[str, str]]] = defaultdict(list)
         self.results: dict[int, list[Consumer]] = {}  # id(op output) -> consumers that produced it
         self.module_of_call: list[nn.Module] = []
-        self.first_args: dict[int, tuple] = {}  # id(module) -> positional args of its first call
+        self.called: set[int] = set()  # id of every module the forward ran
+        self.first_args: dict[int, tuple] = {}  # id(module) -> positional args of its first call, if tagged
 
     # -- module hooks -------------------------------------------------------------------------------------
     def pre_hook(self, module, args):
         self.stack.append(self.names.get(id(module), type(module).__name__))
-        if id(module) not in self.first_args:
-            self.first_args[id(module)] = args
+        if id(module) not in self.called:
+            self.called.add(id(module))
+            # inputs carrying a norm's output are kept for replay_idle_siblings (already alive: self.keep)
+            if any(isinstance(a, torch.Tensor) and id(a) in self.tags for a in tree_flatten(args)[0]):
+                self.first_args[id(module)] = args
 
     def replay_idle_siblings(self, model: nn.Module) -> None:
         """Run, once, every module the forward never called whose sibling (same parent, same class, same
@@ -170,7 +174,7 @@ class _Tracer(TorchFunctionMode):
             children = list(parent.children())
             called = [c for c in children if id(c) in self.first_args]
             for child in children:
-                if id(child) in self.first_args or not any(True for _ in child.parameters()):
+                if id(child) in self.called or not any(True for _ in child.parameters()):
                     continue
                 signature = [(n, p.shape) for n, p in child.named_parameters()]
                 twin = next(
@@ -181,9 +185,6 @@ class _Tracer(TorchFunctionMode):
                 if twin is None:
                     continue
                 args = self.first_args[id(twin)]
-                flat, _ = tree_flatten(args)
-                if not any(isinstance(a, torch.Tensor) and id(a) in self.tags for a in flat):
-                    continue
                 saved = list(self.stack)
                 try:
                     child(*args)

@@ -91,7 +91,7 @@ _ARCH_DEFAULTS: dict[str, dict] = {
         v_head_dim=16,
         head_dim=8,
         num_key_value_heads=4,
-    ),  # fmt: skip
+    ),
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, experts_per_token=2, sliding_window=8),
     "olmoe": dict(_MOE, intermediate_size=32),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),

@@ -526,6 +526,8 @@ def test_compiled_backend_keeps_cast_order():
     ln.weight.copy_(noise(256, 1.0))
     ln.bias.copy_(noise(256, 0.0, seed=1))
     assert_ulp_close(layer_norm(x, ln.weight, ln.bias, backend="compiled"), ln(x))
+    # Calls below compiled.MIN_ELEMENTS (decode-sized) run the eager math: bit-identical to HF.
+    assert torch.equal(rms_norm(x[:2], hf.weight, backend="compiled"), hf(x[:2]))
 
 
 # ---------------------------------------------------------------------------------------------------------
