@@ -34,35 +34,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-rounds", type=int, default=5)
     p.add_argument("--no-kernels", action="store_true", help="skip the kernel grid (with --model)")
     a = p.parse_args(argv)
-    if a.rounds < 1:
-        print(f"error: --rounds must be >= 1, got {a.rounds}", file=sys.stderr)
-        return 2
-    if a.threads is not None:
-        if a.threads < 1:
-            print(f"error: --threads must be >= 1, got {a.threads}", file=sys.stderr)
-            return 2
-        import torch
-
-        torch.set_num_threads(a.threads)
-    heap = False if a.no_heap_reuse else bench.reuse_heap()
-    shapes = ((1024, 576),) if a.quick else bench.SHAPES
-    rounds = 3 if a.quick else a.rounds
-    backends = a.backends.split(",") if a.backends else None
     from normswap.errors import NormswapError
 
-    rows, model_rows = [], []
     try:
-        if not a.no_kernels:
-            rows = bench.bench_kernels(shapes, a.dtypes.split(","), backends, rounds, a.device, log=print)
-            print(bench.format_table(rows))
-        if a.model:
-            model_rows = bench.bench_model(a.model, rounds=a.model_rounds, log=print)
-            print(bench.format_model_table(model_rows))
+        bench.run(
+            a.out,
+            device=a.device,
+            shapes=((1024, 576),) if a.quick else bench.SHAPES,
+            dtypes=a.dtypes.split(","),
+            backends=a.backends.split(",") if a.backends else None,
+            rounds=3 if a.quick else a.rounds,
+            heap_reuse=not a.no_heap_reuse,
+            threads=a.threads,
+            kernels=not a.no_kernels,
+            model=a.model,
+            model_rounds=a.model_rounds,
+        )
     except (ValueError, NormswapError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for path in bench.write_results(rows, a.out, bench.machine_info(a.device, heap), model_rows):
-        print(f"wrote {path}")
     return 0
 
 

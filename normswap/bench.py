@@ -349,12 +349,64 @@ def write_results(
     return written
 
 
+def run(
+    out_dir: str | Path,
+    *,
+    device: str = "cpu",
+    shapes=SHAPES,
+    dtypes=DTYPES,
+    backends: list[str] | None = None,
+    rounds: int = 15,
+    heap_reuse: bool = True,
+    threads: int | None = None,
+    kernels: bool = True,
+    model: str | None = None,
+    model_rounds: int = 5,
+    log: Callable[[str], None] = print,
+) -> tuple[list[dict], list[dict], list[Path]]:
+    """The whole benchmark, as ``benchmarks/bench_norms.py`` and ``normswap bench`` run it.
+
+    Times the kernel grid (``bench_kernels``) unless ``kernels`` is False and, with ``model``, the model
+    level (``bench_model``); logs progress and the markdown tables through ``log``; writes the results
+    into ``out_dir`` (``write_results``).
+
+    Returns:
+        ``(kernel rows, model rows, paths written)``.
+
+    Raises:
+        ValueError: ``rounds``/``model_rounds``/``threads`` below 1, unknown dtype or backend.
+        normswap.errors.NormswapError: ``model`` cannot be loaded or converted.
+    """
+    for name, value in (("rounds", rounds), ("model_rounds", model_rounds), ("threads", threads or 1)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    from normswap.kernels import resolve_backend
+
+    for be in backends or []:
+        resolve_backend(be)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    heap = reuse_heap() if heap_reuse else False
+    rows, model_rows = [], []
+    if kernels:
+        rows = bench_kernels(shapes, dtypes, backends, rounds, device, log=log)
+        log(format_table(rows))
+    if model:
+        model_rows = bench_model(model, rounds=model_rounds, log=log)
+        log(format_model_table(model_rows))
+    paths = write_results(rows, out_dir, machine_info(device, heap), model_rows)
+    for path in paths:
+        log(f"wrote {path}")
+    return rows, model_rows, paths
+
+
 def _plot(rows: list[dict], path: Path) -> Path | None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return None
     configs = list(dict.fromkeys((r["tokens"], r["hidden"], r["dtype"]) for r in rows))
@@ -371,6 +423,8 @@ def _plot(rows: list[dict], path: Path) -> Path | None:
         ax.axvline(1.0, color="k", lw=0.8)
         ax.axvline(1.3, color="tab:red", lw=0.8, ls="--")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_yticks(range(len(names)), names)
         ax.set_title(f"[{cfg[0]}, {cfg[1]}] {cfg[2]}")
         ax.set_xlabel("median time / copy (lower is better)")

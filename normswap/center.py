@@ -55,6 +55,7 @@ from torch.utils._pytree import tree_flatten
 
 from normswap import dimmap
 from normswap.errors import NormswapError
+from normswap.fold import untie_config
 from normswap.kernels import FusedRMSNorm, rms_norm
 from normswap.sites import NormSite
 from normswap.walk import _IGNORED, Walk, _example_inputs, _func_name
@@ -846,7 +847,7 @@ def _commit(model: nn.Module, walk: Walk, plan: _Plan, actions: list[tuple]) -> 
             if name is not None:
                 _retarget(walk, name, *target)
             if embedding is not None and getattr(embedding, "weight", None) is shared:
-                _untie_config(model)
+                untie_config(model)
         elif kind == "bias":
             model.get_submodule(target[0]).register_parameter(target[1], value)
         elif kind == "flag":
@@ -890,14 +891,6 @@ def _retarget(walk: Walk, shared: str, module: str, attr: str) -> None:
                 c.param = new if c.module == module else rest_name
             if c.bias == shared:
                 c.bias = new if c.module == module else rest_name
-
-
-def _untie_config(model: nn.Module) -> None:
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else None
-    for cfg in (config, text):
-        if cfg is not None and getattr(cfg, "tie_word_embeddings", False):
-            cfg.tie_word_embeddings = False
 
 
 def center(

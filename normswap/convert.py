@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,12 +10,13 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
-from normswap.fold import fold_site, plan, untie_parameters
+from normswap.fold import fold_site, plan, untie_checked
 from normswap.sites import NormSite
 from normswap.swap import swap_norms
 from normswap.walk import walk
 
 NORM_CHOICES = ("keep", "rmsnorm")
+log = logging.getLogger("normswap")
 
 
 @dataclass
@@ -122,7 +124,10 @@ def convert(
     )  # fmt: skip
     if fold:
         folding = plan(model, result, untie=untie)
-        report.untied = untie_parameters(model, folding.untie)
+        if folding.untie_bytes:
+            log.info("untying %s costs %d extra bytes", ", ".join(f"{m}.{a}" for m, a in folding.untie),
+                     folding.untie_bytes)  # fmt: skip
+        report.untied = untie_checked(model, folding, input_ids).names
         report.untie_bytes = folding.untie_bytes
         for site in folding.sites:
             fold_site(model, site)

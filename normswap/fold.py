@@ -29,11 +29,13 @@ class FoldPlan:
         sites: sites that will be folded (``site.foldable`` and nothing in the way).
         untie: ``(module_name, attribute)`` pairs whose Parameter is shared and gets its own copy.
         untie_bytes: extra bytes the untied copies cost.
+        needs_untie: names of the sites that fold only once ``untie`` is done.
     """
 
     sites: list[NormSite] = field(default_factory=list)
     untie: list[tuple[str, str]] = field(default_factory=list)
     untie_bytes: int = 0
+    needs_untie: set[str] = field(default_factory=set)
 
 
 def plan(model: nn.Module, walk: Walk, untie: bool = True) -> FoldPlan:
@@ -79,6 +81,8 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True) -> FoldPlan:
             owner = next(((m, a) for m, a in walk.owners.get(c.param, []) if m == c.module), None)
             if owner in to_untie:  # after untying, the consumer's weight is its own attribute
                 c.param = f"{owner[0]}.{owner[1]}" if owner[0] else owner[1]
+        if to_untie:
+            result.needs_untie.add(site.name)
         for owner in to_untie:
             if owner not in result.untie:
                 result.untie.append(owner)
@@ -88,36 +92,98 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True) -> FoldPlan:
     return result
 
 
-def untie_parameters(model: nn.Module, owners: list[tuple[str, str]]) -> list[str]:
+@dataclass
+class Untied:
+    """Parameters given their own storage, with what is needed to undo it.
+
+    Attributes:
+        names: qualified names of the new Parameters.
+    """
+
+    names: list[str] = field(default_factory=list)
+    _replaced: list[tuple[nn.Module, str, nn.Parameter]] = field(default_factory=list, repr=False)
+    _configs: list[object] = field(default_factory=list, repr=False)
+
+    def restore(self) -> None:
+        """Put the shared Parameters and the config flags back exactly as they were."""
+        for module, attr, old in self._replaced:
+            setattr(module, attr, old)
+        for config in self._configs:
+            config.tie_word_embeddings = True
+        self.names, self._replaced, self._configs = [], [], []
+
+
+def untie_parameters(model: nn.Module, owners: list[tuple[str, str]]) -> Untied:
     """Give each ``(module_name, attribute)`` its own copy of the Parameter it shares.
 
     The other holders keep the original Parameter object, bit-identical. When the shared Parameter was the
     input embedding, every ``tie_word_embeddings`` flag in the config becomes False so a saved checkpoint
-    loads untied. Returns the qualified names of the new Parameters.
+    loads untied.
     """
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    names = []
+    untied = Untied()
     for module_name, attr in owners:
         module = model.get_submodule(module_name)
         old = module._parameters[attr]
         setattr(module, attr, nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad))
-        names.append(f"{module_name}.{attr}" if module_name else attr)
+        untied._replaced.append((module, attr, old))
+        untied.names.append(f"{module_name}.{attr}" if module_name else attr)
         if embedding is not None and getattr(embedding, "weight", None) is old:
-            _untie_config(model)
-    return names
+            untied._configs.extend(untie_config(model))
+    return untied
 
 
-def _untie_config(model: nn.Module) -> None:
+def untie_config(model: nn.Module) -> list[object]:
+    """Set every ``tie_word_embeddings`` flag of the model's config (and text config) to False.
+
+    Returns the config objects whose flag was flipped.
+    """
     config = getattr(model, "config", None)
     if config is None:
-        return
+        return []
     configs = {id(config): config}
     if hasattr(config, "get_text_config"):
         text = config.get_text_config()
         configs[id(text)] = text
+    flipped = []
     for cfg in configs.values():
         if getattr(cfg, "tie_word_embeddings", False):
             cfg.tie_word_embeddings = False
+            flipped.append(cfg)
+    return flipped
+
+
+@torch.no_grad()
+def untie_checked(model: nn.Module, folding: FoldPlan, input_ids: torch.Tensor | None = None) -> Untied:
+    """Untie what ``folding`` needs, after proving on one short forward that untying alone changes nothing.
+
+    Some models read ``tie_word_embeddings`` while running (T5-style decoders rescale their output when it is
+    True), so flipping the flag can change the function even before any fold. When the outputs differ, the
+    untie is undone and the sites that needed it are dropped from ``folding`` with that reason.
+    """
+    if not folding.untie:
+        return Untied()
+    from normswap.walk import run_example
+
+    before = run_example(model, input_ids)
+    untied = untie_parameters(model, folding.untie)
+    if not untied._configs or _same(before, run_example(model, input_ids)):
+        return untied
+    untied.restore()
+    reason = "the model reads tie_word_embeddings while running; untying its lm_head would change its outputs"
+    for site in [s for s in folding.sites if s.name in folding.needs_untie]:
+        folding.sites.remove(site)
+        site.foldable, site.reason = False, reason
+    folding.untie, folding.untie_bytes = [], 0
+    return untied
+
+
+def _same(a, b) -> bool:
+    from torch.utils._pytree import tree_flatten
+
+    flat_a, flat_b = tree_flatten(a)[0], tree_flatten(b)[0]
+    tensors = [(x, y) for x, y in zip(flat_a, flat_b, strict=False) if isinstance(x, torch.Tensor)]
+    return len(flat_a) == len(flat_b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in tensors)
 
 
 def scale_and_shift(site: NormSite, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

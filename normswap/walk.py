@@ -465,11 +465,31 @@ def _example_inputs(model: nn.Module, input_ids: torch.Tensor | None) -> dict:
     return inputs
 
 
-def trace(model: nn.Module, input_ids: torch.Tensor | None = None) -> tuple[_Tracer, object]:
-    """Run one forward of ``model`` under the tracer and return it with the model's output."""
+def example_inputs(model: nn.Module, input_ids: torch.Tensor | None = None) -> dict:
+    """The keyword inputs of the walk's forward: ``input_ids`` (default 2 x 16 fixed random ids), the
+    decoder's ids for an encoder-decoder, and ``use_cache=False`` where the forward takes it."""
     inputs = _example_inputs(model, input_ids)
     if not _accepts(model, "use_cache"):
         inputs.pop("use_cache")
+    return inputs
+
+
+@torch.no_grad()
+def run_example(model: nn.Module, input_ids: torch.Tensor | None = None):
+    """One plain forward (eval mode, no grad) on ``example_inputs``; the model's modes are restored."""
+    modes = {m: m.training for m in model.modules()}
+    for m in modes:
+        m.training = False
+    try:
+        return model(**example_inputs(model, input_ids))
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+def trace(model: nn.Module, input_ids: torch.Tensor | None = None) -> tuple[_Tracer, object]:
+    """Run one forward of ``model`` under the tracer and return it with the model's output."""
+    inputs = example_inputs(model, input_ids)
     tracer = _Tracer(model)
     modes = {m: m.training for m in model.modules()}
     for m in modes:

@@ -284,7 +284,11 @@ def tiny_model(model_type: str, seed: int = 0, **config_overrides) -> nn.Module:
         model_type: a transformers ``model_type`` (``"llama"``, ``"gpt2"``, ``"t5"``, ...) or ``"custom"``
             (``CustomLM``, hand-written norms under names that say nothing about norms).
         seed: torch seed for the weights; the norm noise uses ``seed + 1``.
-        **config_overrides: config values replacing the tiny defaults.
+        **config_overrides: config values replacing the tiny defaults; ``experts_implementation``
+            (``"eager"``, ``"batched_mm"``, ``"grouped_mm"``) is passed to ``from_config`` instead.
+
+    Raises:
+        ValueError: ``model_type`` is unknown to transformers (from ``AutoConfig.for_model``).
 
     Returns:
         The model (``AutoModelForCausalLM``; ``AutoModelForSeq2SeqLM`` for encoder-decoders, ``AutoModel``

@@ -63,9 +63,12 @@ def test_write_results(tmp_path):
 def test_script_exit_codes(tmp_path, capsys):
     script = _script()
     assert script.main(["--rounds", "0"]) == 2
-    assert "--rounds must be >= 1" in capsys.readouterr().err
+    assert "rounds must be >= 1" in capsys.readouterr().err
     assert script.main(["--dtypes", "float12", "--backends", "eager", "--out", str(tmp_path)]) == 2
     assert "unknown dtype" in capsys.readouterr().err
+    assert script.main(["--backends", "fast", "--out", str(tmp_path)]) == 2
+    assert "backend must be one of" in capsys.readouterr().err
+    assert script.main(["--threads", "0", "--out", str(tmp_path)]) == 2
     args = ["--quick", "--no-heap-reuse", "--dtypes", "float32", "--backends", "eager,torch"]
     code = script.main([*args, "--out", str(tmp_path)])
     assert code == 0

@@ -164,7 +164,7 @@ def test_saved_checkpoint_loads_in_plain_transformers(model_type):
 
 @pytest.mark.parametrize("model_type", ["gpt2", "gptj"])
 def test_manifest_sites_rebuild_the_fused_rmsnorms_on_a_reloaded_checkpoint(model_type):
-    """What ``load_pretrained`` does: plain reload, then swap from the manifest's sites (incl. biased ones)."""
+    """What ``load_pretrained`` does: plain reload, then swap from the manifest sites (biased ones too)."""
     from transformers import AutoModelForCausalLM
 
     from normswap.sites import NormSite

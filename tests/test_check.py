@@ -312,9 +312,19 @@ def test_cli_check_exit_codes(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["passed"] and report["tokens"] == 64 and report["max_abs_logit_diff"] < 1e-5
-    orig, bad = save_pair(tmp_path / "bad", "gemma", ignore_offset_at={"model.layers.0.input_layernorm"})
+    orig, bad = save_pair(tmp_path / "bad", "gemma", ignore_offset_at={"model.layers.1.input_layernorm"})
     result = runner.invoke(main, ["check", str(orig), str(bad), "--tokens", "64"], env=env)
     assert result.exit_code == 1 and "FAIL" in result.output
+    # with a manifest (sites folded, not swapped: plain modules load), the failing site is named
+    sites = [
+        {**s.to_dict(), "folded": True, "swapped": False} for s in decoder_sites(make_tiny_model("gemma"))
+    ]
+    (bad / "normswap.json").write_text(json.dumps({"sites": sites}))
+    result = runner.invoke(main, ["check", str(orig), str(bad), "--tokens", "64"], env=env)
+    assert result.exit_code == 1
+    assert "of norm model.layers.1.input_layernorm differs; model.layers.1.input_layernorm was folded" in (
+        result.output
+    )
     result = runner.invoke(main, ["check", str(orig), str(tmp_path / "missing")], env=env)
     assert result.exit_code == 2 and "missing" in result.output
     assert os.listdir(tmp_path / "bad" / "orig")  # inputs untouched

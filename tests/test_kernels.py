@@ -599,3 +599,21 @@ def test_torch_backend_uses_fused_layer_norm_exactly():
     x, w, b = hidden((8, 64), torch.bfloat16), noise(64, 1.0, dtype=torch.bfloat16), noise(64, 0.0)
     out = layer_norm(x, w, b.bfloat16())
     assert torch.equal(out, F.layer_norm(x, (64,), w, b.bfloat16(), 1e-5))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", HF_CASES)
+def test_cuda_backends_match_transformers_module(name, dtype):
+    """On a GPU: auto (= triton), triton and torch against the HF module run on the same GPU."""
+    pytest.importorskip("triton")
+    for backend in ("auto", "triton", "torch"):
+        hf, fused, x = _pair(name, dtype, backend)
+        hf, fused, x = hf.cuda(), fused.cuda(), x.cuda()
+        assert_ulp_close(fused(x), hf(x))
+    x = hidden((4, 9, 4096), dtype).cuda()
+    w = noise(4096, 1.0, dtype=dtype).cuda()
+    res = hidden((4, 9, 4096), dtype, seed=5).cuda()
+    y, h = add_rms_norm(x, res, w, backend="triton")
+    assert torch.equal(h, x + res)
+    assert_ulp_close(y, rms_norm(x + res, w, backend="eager"))

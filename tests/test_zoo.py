@@ -87,22 +87,21 @@ def test_custom_model_norms_found_by_behaviour():
     assert final.foldable and final.consumers[0].bias == "head.bias"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fold.untie_parameters flips config.tie_word_embeddings, which switch_transformers reads",
-)
 def test_untying_keeps_a_forward_that_reads_the_tie_flag():
     """switch_transformers multiplies the decoder output by d_model**-0.5 only while
-    config.tie_word_embeddings is True, so flipping the flag when lm_head is untied changes the forward
-    (measured: logits off by ~39). Untying must keep the model's function; until fold.py guards against a
-    forward that reads the flag, this is a known failure (xfail strict: it starts failing once fixed, to
-    remove the marker and use the tied variant in the zoo)."""
+    config.tie_word_embeddings is True, so flipping the flag when lm_head is untied would change the forward
+    (measured: logits off by ~39). convert must notice on its check forward, undo the untie, and leave the
+    final norm unfolded with that reason."""
     model = tiny_model("switch_transformers", tie_word_embeddings=True)
     reference = copy.deepcopy(model)
     ids = example_ids()
-    normswap.convert(model)
+    report = normswap.convert(model)
     diff = (model_outputs(reference, ids) - model_outputs(model, ids)).abs().max().item()
     assert diff <= TOLERANCE
+    assert report.untied == [] and report.untie_bytes == 0 and model.config.tie_word_embeddings is True
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    blocked = [s for s in report.sites if s.reason and "tie_word_embeddings" in s.reason]
+    assert blocked and not any(s.folded for s in blocked)
 
 
 @pytest.mark.parametrize("name", ["falcon-rw", "gpt2", "gpt_oss-batched"])

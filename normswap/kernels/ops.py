@@ -57,7 +57,15 @@ def resolve_backend(backend: str | None) -> str:
 
 @functools.cache
 def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Whether triton imports (asked only for CUDA tensors, so CPU-only runs never import it)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton.language  # noqa: F401
+    except Exception as error:  # a broken install must not break the torch fallback
+        warnings.warn(f"normswap: triton does not import ({error}); using torch", stacklevel=2)
+        return False
+    return True
 
 
 def _triton_reason(x: torch.Tensor, *params: torch.Tensor | None) -> str | None:
