@@ -135,6 +135,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
     from normswap import io
     from normswap.check import compare, default_input_ids, reference_outputs
     from normswap.convert import convert as convert_model
+    from normswap.walk import walk
 
     _quiet_transformers()
     io.check_output_dir(output, model, overwrite=overwrite)
@@ -144,12 +145,14 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
     loaded = io.load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
     input_ids = default_input_ids(loaded.tokenizer, tokens)
-    _step(f"running the original on {input_ids.shape[-1]} tokens ...")
-    reference = reference_outputs(loaded.model, input_ids)
-    _step("converting ...")
-    result = convert_model(loaded.model, norm=norm, untie=not no_untie, input_ids=input_ids)
-    if result.norms_found == 0:
+    _step("finding the norms and their consumers ...")
+    traced = walk(loaded.model, input_ids)
+    if not traced.sites:
         raise NormswapError(f"{model}: no normalization modules found; nothing to convert")
+    _step(f"running the original on {input_ids.shape[-1]} tokens ...")
+    reference = reference_outputs(loaded.model, input_ids, sites=traced.sites)
+    _step("converting ...")
+    result = convert_model(loaded.model, norm=norm, untie=not no_untie, input_ids=input_ids, traced=traced)
     _step("checking the converted logits ...")
     checked = compare(reference, loaded.model, input_ids)
     result.check = checked.to_dict()

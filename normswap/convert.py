@@ -13,7 +13,7 @@ from normswap.errors import NormswapError
 from normswap.fold import fold_site, plan, untie_checked
 from normswap.sites import NormSite
 from normswap.swap import swap_norms
-from normswap.walk import walk
+from normswap.walk import Walk, walk
 
 NORM_CHOICES = ("keep", "rmsnorm")
 log = logging.getLogger("normswap")
@@ -86,6 +86,7 @@ def convert(
     untie: bool = True,
     swap: bool = True,
     input_ids: torch.Tensor | None = None,
+    traced: Walk | None = None,
 ) -> ConvertReport:
     """Fold every foldable norm into its consumers and swap every norm for a fused module, in place.
 
@@ -98,6 +99,8 @@ def convert(
             final norm can fold into it; with False such sites are swapped only and storage stays shared.
         swap: replace norms by fused modules.
         input_ids: ids for the trace (see ``inspect``).
+        traced: a ``normswap.walk.walk(model, input_ids)`` of this model taken just before (so a caller that
+            needed the sites first, e.g. to record a reference, does not trace twice); walked here if None.
 
     Returns:
         A ``ConvertReport``.
@@ -110,7 +113,7 @@ def convert(
     """
     if norm not in NORM_CHOICES:
         raise ValueError(f"norm must be one of {NORM_CHOICES}, got {norm!r}")
-    result = walk(model, input_ids)
+    result = traced if traced is not None else walk(model, input_ids)
     if not result.sites:
         raise NormswapError(f"{_model_name(model)}: no normalization module found")
     centering = None

@@ -618,3 +618,8 @@ def _foldability(site: NormSite, call: SourceCall, reasons: list[str]) -> tuple[
         if missing:
             return False, f"consumer {missing[0]} has no bias to absorb the norm's bias"
     return True, None
+
+
+# Public names for the recorder in ``normswap.center.record``, which sees the same ops as the tracer.
+func_name = _func_name  # the op name of a torch function as ``__torch_function__`` receives it
+METADATA_OPS = _IGNORED  # ops that read only a tensor's metadata (shape, dtype, device), never its values

@@ -255,8 +255,8 @@ def reference_outputs(
         ref.captures = cap32.records
         ref.original_error = _metrics(kind, up, outputs, targets)
         del outputs
-        ref.upcast = _keep(up, targets, kind, max_logits_bytes)
-        ref.upcast = ref.upcast[0] if ref.upcast[0] is not None else ref.upcast[1]
+        full, summary = _keep(up, targets, kind, max_logits_bytes)
+        ref.upcast = full if full is not None else summary
     if greedy_tokens and kind == "logits":
         ref.greedy = _greedy(model, input_ids, greedy_tokens)
     ref.peak_rss_mib = peak_rss_mib()

@@ -253,9 +253,16 @@ def _gguf_loading():
     All four return exactly what the unpatched code returns.
     """
     import gguf
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    reader_cls, parse = gguf.GGUFReader, gguf_utils.load_gguf_checkpoint
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # another transformers layout: load without the shortcuts
+        gguf_utils = None
+    if gguf_utils is None:
+        yield
+        return
+    reader_cls = gguf.GGUFReader
+    parse = getattr(gguf_utils, "load_gguf_checkpoint", None)
     readers: dict[tuple[str, str], Any] = {}
     parsed: dict[str, dict] = {}
 
@@ -273,18 +280,18 @@ def _gguf_loading():
             parsed[key] = parse(path, return_tensors=False)
         return copy.deepcopy(parsed[key])
 
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(gguf, "GGUFReader", shared_reader))
-        stack.enter_context(mock.patch.object(gguf_utils, "load_gguf_checkpoint", parse_once))
-        stack.enter_context(
-            mock.patch.object(
-                gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
-            )
+    patches = [(gguf, "GGUFReader", shared_reader)]
+    if parse is not None:
+        patches.append((gguf_utils, "load_gguf_checkpoint", parse_once))
+    if hasattr(gguf, "get_tensor_name_map"):
+        patches.append(
+            (gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
         )
-        if hasattr(gguf_utils, "tqdm"):  # None: off unless stderr is a terminal
-            stack.enter_context(
-                mock.patch.object(gguf_utils, "tqdm", functools.partial(gguf_utils.tqdm, disable=None))
-            )
+    if hasattr(gguf_utils, "tqdm"):  # disable=None: off unless stderr is a terminal
+        patches.append((gguf_utils, "tqdm", functools.partial(gguf_utils.tqdm, disable=None)))
+    with contextlib.ExitStack() as stack:
+        for owner, name, value in patches:
+            stack.enter_context(mock.patch.object(owner, name, value))
         yield
 
 

@@ -1,0 +1,129 @@
+"""Applying a plan atomically: ``prepare`` allocates, ``commit`` only assigns (docs/CENTERING.md).
+
+``prepare`` computes every new tensor (untied copies, zero biases, centered weights, rewritten tables)
+without changing the model and returns them as actions; ``commit`` applies the actions (attribute
+assignments and same-shape copies, which cannot fail half-way) and updates the walk's records so that
+``fold`` and ``swap`` see the centered model. An error before the commit leaves the model bit-identical;
+the cost is a temporary copy of the written parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from normswap.center.plan import Plan
+from normswap.center.rewrite import centered, table_rows
+from normswap.fold import untie_config
+from normswap.walk import Walk
+
+Action = tuple  # ("untie", (module, attr), Parameter) | ("bias", (module, attr), Parameter)
+#                 | ("flag", config attribute, True) | ("copy", target tensor, new values)
+
+
+@torch.no_grad()
+def prepare(model: nn.Module, plan: Plan, center_rows: Callable = centered) -> list[Action]:
+    """Allocate every new tensor of ``plan``; the model is not touched.
+
+    Args:
+        model: the planned model.
+        plan: from ``plan_centering``; its ``result.tables`` entries get their scale appended.
+        center_rows: the centering arithmetic (``rewrite.centered``).
+
+    Returns:
+        The actions ``commit`` applies, in order.
+
+    Raises:
+        CenteringError: a table that cannot be rewritten exactly (eps 0).
+    """
+    actions: list[Action] = []
+    for module, attr in plan.untie:
+        old = model.get_submodule(module)._parameters[attr]
+        actions.append(
+            ("untie", (module, attr), nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad))
+        )
+    for flag in plan.flags:
+        for mod_name, (attr, shape) in flag.biases.items():
+            ref = next(model.get_submodule(mod_name).parameters())
+            zeros = nn.Parameter(torch.zeros(shape, dtype=ref.dtype, device=ref.device))
+            actions.append(("bias", (mod_name, attr), zeros))
+        actions.append(("flag", flag.name, True))
+    for (param, axis), groups in plan.groups.items():
+        actions.append(("copy", plan.tensors[param], center_rows(plan.tensors[param], axis, groups)))
+    for i, (emb, (norm_name, site)) in enumerate(plan.tables.items()):
+        norm = model.get_submodule(norm_name)
+        rows, scale = table_rows(plan.tensors[emb], site, norm)
+        actions.append(("copy", plan.tensors[emb], rows))
+        if site.weight:
+            w = getattr(norm, site.weight)
+            actions.append(("copy", w, torch.full_like(w, scale - site.offset)))
+        if site.bias:
+            actions.append(("copy", getattr(norm, site.bias), torch.zeros_like(getattr(norm, site.bias))))
+        plan.result.tables[i] += f" (constant scale {scale:g})"
+    return actions
+
+
+@torch.no_grad()
+def commit(model: nn.Module, walk: Walk, plan: Plan, actions: list[Action]) -> None:
+    """Apply the prepared actions and update the walk's records, in place.
+
+    Afterwards every planned site has ``kind == "rmsnorm"``; sites that the config flags made foldable
+    are foldable, with the new biases on their consumers; a site that keeps its bias or reads a rewritten
+    table says so in its ``reason``; untied parameters have their new names in ``walk``.
+    """
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for kind, target, value in actions:
+        if kind == "untie":
+            module = model.get_submodule(target[0])
+            shared = module._parameters[target[1]]
+            name = next((n for n, holders in walk.owners.items() if target in holders), None)
+            setattr(module, target[1], value)
+            if name is not None:
+                _retarget(walk, name, *target)
+            if embedding is not None and getattr(embedding, "weight", None) is shared:
+                untie_config(model)
+        elif kind == "bias":
+            model.get_submodule(target[0]).register_parameter(target[1], value)
+        elif kind == "flag":
+            setattr(model.config, target, value)
+        else:
+            target.copy_(value)
+    for site in plan.resolved:
+        for c in site.consumers:
+            for flag in plan.flags:
+                if c.bias is None and c.module in flag.biases:
+                    c.bias = f"{c.module}.{flag.biases[c.module][0]}"
+        site.foldable, site.reason = True, None
+    tables = {norm for norm, _ in plan.tables.values()}
+    for site in walk.sites:
+        if site.name not in plan.result.sites:
+            continue
+        site.kind = "rmsnorm"
+        if site.name in plan.result.kept_bias:
+            site.reason = f"bias kept on the RMSNorm: {site.reason}, and no config setting adds one"
+        if site.name in tables:
+            site.reason = (
+                "norm of an embedding lookup: the table was rewritten, the norm holds a constant scale"
+            )
+
+
+def _retarget(walk: Walk, shared: str, module: str, attr: str) -> None:
+    """After ``module.attr`` got its own copy of ``shared``, point the walk's records at the new names."""
+    mine = (module, attr)
+    new = f"{module}.{attr}" if module else attr
+    rest = [o for o in walk.owners.pop(shared, []) if o != mine]
+    rest_name = shared if shared != new else (f"{rest[0][0]}.{rest[0][1]}" if rest else shared)
+    uses = walk.param_uses.pop(shared, [])
+    walk.owners[new] = [mine]
+    walk.param_uses[new] = [u for u in uses if u[1] == module]
+    if rest:
+        walk.owners[rest_name] = rest
+        walk.param_uses[rest_name] = [u for u in uses if u[1] != module]
+    for site in walk.sites:
+        for c in site.consumers:
+            if c.param == shared:
+                c.param = new if c.module == module else rest_name
+            if c.bias == shared:
+                c.bias = new if c.module == module else rest_name

@@ -1,0 +1,17 @@
+"""The refusal: ``CenteringError`` and the one-line message every refusal uses."""
+
+from __future__ import annotations
+
+from normswap.errors import NormswapError
+
+
+class CenteringError(NormswapError):
+    """``norm="rmsnorm"`` asked of a model that cannot be converted exactly; names the site and why.
+
+    Raised before anything is changed: the model is left bit-identical.
+    """
+
+
+def refusal(site: str, what: str) -> CenteringError:
+    """The error for LayerNorm ``site`` (module name) that cannot become an RMSNorm because of ``what``."""
+    return CenteringError(f"cannot convert LayerNorm {site} to RMSNorm exactly: {what}")
