@@ -223,11 +223,11 @@ def bench_model(
 ) -> list[dict]:
     """Latency of the original and the converted model, measured side by side.
 
-    Loads ``source`` (``normswap.io.load_model``), converts a deep copy with ``normswap.convert.convert``
-    (fold + swap, default options), then times, alternating which model goes first each round:
-    ``prefill`` (one forward over ``1 x prompt_len`` random ids, no cache) and ``decode``
-    (``decode_tokens`` greedy one-token steps with the KV cache after a ``1 x 16`` prompt; the prompt's
-    forward is not timed).
+    Loads ``source`` (``normswap.io.load_model``), makes two deep copies (so both have freshly allocated,
+    aligned weights), converts one with ``normswap.convert.convert`` (fold + swap, default options), and
+    times both, alternating which goes first each round: ``prefill`` (one forward over ``1 x prompt_len``
+    random ids, no cache) and ``decode`` (``decode_tokens`` greedy one-token steps with the KV cache after
+    a ``1 x 16`` prompt; the prompt's forward is not timed).
 
     Returns:
         One dict per (phase, model): ``phase, model, median_s, ratio_to_original, tokens_agree`` (decode:
@@ -241,8 +241,12 @@ def bench_model(
     from normswap.convert import convert
     from normswap.io import load_model
 
-    original = load_model(source, dtype=dtype, tokenizer=False).model
-    converted = copy.deepcopy(original)
+    loaded = load_model(source, dtype=dtype, tokenizer=False).model
+    # Both models are fresh copies: weights dequantized from GGUF can sit at 16-byte offsets, and
+    # misaligned weights alone made the loaded model's decode ~30% slower than a copy of itself here.
+    original = copy.deepcopy(loaded)
+    converted = copy.deepcopy(loaded)
+    del loaded
     convert(converted)
     vocab = original.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -284,18 +288,30 @@ def bench_model(
     return rows
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info(device: str = "cpu", heap_reuse: bool | None = None) -> dict:
     """What the numbers were measured on."""
     info = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": device,
         "heap_reuse": heap_reuse,
         "backend_env": os.environ.get("NORMSWAP_BACKEND"),
+        # other processes' load distorts absolute numbers; interleaving keeps the ratios comparable
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
@@ -377,7 +393,8 @@ def run(
         ValueError: ``rounds``/``model_rounds``/``threads`` below 1, unknown dtype or backend.
         normswap.errors.NormswapError: ``model`` cannot be loaded or converted.
     """
-    for name, value in (("rounds", rounds), ("model_rounds", model_rounds), ("threads", threads or 1)):
+    checks = [("rounds", rounds), ("model_rounds", model_rounds)]
+    for name, value in checks + ([("threads", threads)] if threads is not None else []):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     from normswap.kernels import resolve_backend
