@@ -296,6 +296,47 @@ def zoo(output, only):
         raise SystemExit(1)
 
 
+@main.command()
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("benchmarks/results"),
+              show_default=True, help="Folder for norm_kernels.json (and .png with matplotlib).")  # fmt: skip
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda (adds the triton backend).")
+@click.option("--rounds", type=click.IntRange(min=1), default=15, show_default=True, help="Timed rounds.")
+@click.option("--dtypes", default="float32,bfloat16", show_default=True, help="Comma-separated dtype names.")
+@click.option("--backends", default=None, help="Comma-separated normswap backends (default: all usable).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch.set_num_threads.")
+@click.option("--quick", is_flag=True, help="One [1024, 576] shape, 3 rounds (a smoke run).")
+@click.option("--model", default=None, help="Also time prefill/decode of MODEL, original vs converted.")
+@click.option("--model-rounds", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--no-kernels", is_flag=True, help="Skip the kernel grid (with --model).")
+@click.option("--no-heap-reuse", is_flag=True, help="Keep glibc's mmap of large outputs.")
+def bench(out_dir, device, rounds, dtypes, backends, threads, quick, model, model_rounds, no_kernels,
+          no_heap_reuse):  # fmt: skip
+    """Time normswap's norm kernels against HF eager norms, torch's norms and a same-size copy.
+
+    Prints the median time of each as a ratio to the copy and as GB/s (docs/KERNELS.md explains the method).
+    """
+    from normswap import bench as bench_lib
+
+    _quiet_transformers()
+    try:
+        bench_lib.run(
+            out_dir,
+            device=device,
+            shapes=((1024, 576),) if quick else bench_lib.SHAPES,
+            dtypes=dtypes.split(","),
+            backends=backends.split(",") if backends else None,
+            rounds=3 if quick else rounds,
+            heap_reuse=not no_heap_reuse,
+            threads=threads,
+            kernels=not no_kernels,
+            model=model,
+            model_rounds=model_rounds,
+            log=click.echo,
+        )
+    except ValueError as e:
+        raise NormswapError(str(e)) from e
+
+
 from normswap.check.command import check_command  # noqa: E402
 from normswap.evaluate import eval_command  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""normswap.bench and benchmarks/bench_norms.py on tiny sizes (no timing is asserted, only structure and
+"""normswap.bench and `normswap bench` on tiny sizes (no timing is asserted, only structure and
 that every timed norm computes what the module it stands for computes)."""
 
 from __future__ import annotations
@@ -13,13 +13,6 @@ import torch
 from normswap import bench
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("bench_norms", ROOT / "benchmarks" / "bench_norms.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_bench_kernels_rows_and_agreement():
@@ -60,18 +53,27 @@ def test_write_results(tmp_path):
         assert paths[1].suffix == ".png" and paths[1].stat().st_size > 0
 
 
-def test_script_exit_codes(tmp_path, capsys):
-    script = _script()
-    assert script.main(["--rounds", "0"]) == 2
-    assert "rounds must be >= 1" in capsys.readouterr().err
-    assert script.main(["--dtypes", "float12", "--backends", "eager", "--out", str(tmp_path)]) == 2
-    assert "unknown dtype" in capsys.readouterr().err
-    assert script.main(["--backends", "fast", "--out", str(tmp_path)]) == 2
-    assert "backend must be one of" in capsys.readouterr().err
-    assert script.main(["--threads", "0", "--out", str(tmp_path)]) == 2
-    args = ["--quick", "--no-heap-reuse", "--dtypes", "float32", "--backends", "eager,torch"]
-    code = script.main([*args, "--out", str(tmp_path)])
-    assert code == 0
+def test_bench_command_exit_codes(tmp_path):
+    """``normswap bench`` (and benchmarks/bench_norms.py, which calls it): bad input exits 2 with one line."""
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    runner = CliRunner()
+    out = ["--out", str(tmp_path)]
+    cases = [
+        (["--rounds", "0"], "0 is not in the range x>=1"),
+        (["--dtypes", "float12", "--backends", "eager", *out], "unknown dtype"),
+        (["--backends", "fast", *out], "backend must be one of"),
+        (["--threads", "0", *out], "0 is not in the range x>=1"),
+    ]
+    for args, message in cases:
+        result = runner.invoke(main, ["bench", *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.output
+    args = ["--quick", "--no-heap-reuse", "--dtypes", "float32", "--backends", "eager,torch", *out]
+    result = runner.invoke(main, ["bench", *args])
+    assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "norm_kernels.json").read_text())["results"]
 
 

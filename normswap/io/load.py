@@ -295,6 +295,18 @@ def _gguf_loading():
         yield
 
 
+@torch.no_grad()
+def _realign(model: torch.nn.Module) -> None:
+    """Give every parameter fresh, aligned storage (one at a time, so the peak grows by one tensor).
+
+    Tensors dequantized from a GGUF file can start at 16-byte offsets of their buffers, which makes every
+    matmul that reads them markedly slower (measured: a one-token forward of SmolLM2 250 vs 185 ms).
+    Shared (tied) Parameters stay shared: each Parameter object is visited once.
+    """
+    for p in model.parameters():
+        p.data = p.data.clone()
+
+
 def load_model(
     source: str | Path,
     *,
@@ -334,6 +346,8 @@ def load_model(
         except Exception as error:
             raise _load_failure(resolved, "weights", error) from error
         model.eval()
+        if resolved.gguf_file:
+            _realign(model)
         tok = None
         if tokenizer:
             try:
