@@ -27,6 +27,9 @@ class _Group(click.Group):
         except NormswapError as error:
             click.echo(f"normswap: error: {error}", err=True)
             ctx.exit(2)
+        except KeyboardInterrupt:  # the conventional 128 + SIGINT, not the "check failed" code
+            click.echo("normswap: interrupted", err=True)
+            ctx.exit(130)
 
 
 def _step(message: str) -> None:
@@ -53,19 +56,6 @@ def _write_json(path: str | os.PathLike, data) -> None:
     except OSError as error:
         tmp.unlink(missing_ok=True)
         raise NormswapError(f"cannot write {path}: {error.strerror or error}") from error
-
-
-def _check_writable_file(path: Path | None) -> None:
-    """Fail before any work if a JSON output file could not be written later."""
-    if path is None:
-        return
-    parent = path.expanduser().resolve().parent
-    if path.is_dir():
-        raise NormswapError(f"{path} is a directory; give a file name")
-    if not parent.is_dir():
-        raise NormswapError(f"cannot write {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise NormswapError(f"cannot write {path}: directory {parent} is not writable")
 
 
 def _load_options(f):
@@ -119,9 +109,9 @@ def main() -> None:
 @click.option(
     "--tokens",
     type=click.IntRange(min=2),
-    default=512,
-    show_default=True,
-    help="Number of tokens of real text the logits check runs on.",
+    default=None,
+    help="Number of tokens of real text the logits check runs on "
+    "[default: 512, or the model's max_position_embeddings if smaller].",
 )
 @click.option("--force", is_flag=True, help="Save the checkpoint even when the logits check fails.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
@@ -133,18 +123,19 @@ def main() -> None:
 def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force, overwrite, no_untie):
     """Fold and swap every norm of MODEL, check the logits, save to --output."""
     from normswap import io
-    from normswap.check import compare, default_input_ids, reference_outputs
+    from normswap.check import compare, reference_outputs
     from normswap.convert import convert as convert_model
     from normswap.walk import walk
 
     _quiet_transformers()
     io.check_output_dir(output, model, overwrite=overwrite)
-    _check_writable_file(report)
+    if report is not None:
+        io.check_output_file(report, [model], output)
     t0 = time.perf_counter()
     _step(f"loading {model} ({dtype}) ...")
     loaded = io.load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
-    input_ids = default_input_ids(loaded.tokenizer, tokens)
+    input_ids = _check_ids(model, loaded, tokens)
     _step("finding the norms and their consumers ...")
     traced = walk(loaded.model, input_ids)
     if not traced.sites:
@@ -178,6 +169,23 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
         raise SystemExit(1)
 
 
+def _check_ids(model: str, loaded, tokens: int | None):
+    """The check's token ids for ``loaded``; bad tokenizers and over-long requests are bad input (exit 2)."""
+    from normswap.check import default_input_ids
+
+    config = loaded.model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if tokens is None:
+        tokens = min(512, limit) if isinstance(limit, int) and limit >= 2 else 512
+    elif isinstance(limit, int) and tokens > limit:
+        raise NormswapError(f"--tokens {tokens} exceeds {model}'s max_position_embeddings ({limit})")
+    try:
+        return default_input_ids(loaded.tokenizer, tokens)
+    except ValueError as error:
+        raise NormswapError(f"{model}: {error}") from error
+
+
 @main.command()
 @click.argument("model")
 @_load_options
@@ -190,7 +198,8 @@ def inspect(model, dtype, trust_remote_code, json_path):
     from normswap.convert import inspect as inspect_model
 
     _quiet_transformers()
-    _check_writable_file(json_path)
+    if json_path is not None:
+        io.check_output_file(json_path, [model])
     loaded = io.load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
     sites = inspect_model(loaded.model)
     if not sites:

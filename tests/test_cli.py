@@ -18,7 +18,6 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
 from normswap.cli import main
-from normswap.errors import NormswapError
 
 # ``normswap.convert`` / ``normswap.check`` name the public functions; the CLI imports from the modules.
 convert_module = sys.modules["normswap.convert"]
@@ -117,13 +116,54 @@ def test_unwritable_report_fails_before_any_work(tiny_gguf, tmp_path):
 
 
 def test_model_without_norms(tiny_gguf, tmp_path, monkeypatch):
-    def no_norms(model, **kwargs):
-        raise NormswapError("tiny: no normalization module found")
+    import normswap.walk
 
-    monkeypatch.setattr(convert_module, "convert", no_norms)
+    def no_norms(model, input_ids=None):
+        return normswap.walk.Walk(sites=[], param_uses={}, owners={}, untouched=[])
+
+    monkeypatch.setattr(normswap.walk, "walk", no_norms)
     result = run("convert", tiny_gguf, "--output", tmp_path / "out")
     assert_bad_input(result, "no normalization module")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["input-file", "inside-input-dir", "output-dir"])
+def test_report_never_overwrites_the_input_or_the_output(tiny_gguf, tiny_model, tmp_path, where):
+    model_dir = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model_dir)
+    source, report = {
+        "input-file": (tiny_gguf, tiny_gguf),
+        "inside-input-dir": (model_dir, model_dir / "config.json"),
+        "output-dir": (tiny_gguf, tmp_path / "out"),
+    }[where]
+    watched = [tiny_gguf, *sorted(model_dir.iterdir())]
+    before = [digest(p) for p in watched]
+    result = run("convert", source, "--output", tmp_path / "out", "--report", report)
+    assert_bad_input(result, "would overwrite or write into")
+    assert [digest(p) for p in watched] == before
+    assert not (tmp_path / "out").exists()
+    if where != "output-dir":  # inspect has no output directory
+        assert_bad_input(run("inspect", source, "--json", report), "would overwrite or write into")
+        assert [digest(p) for p in watched] == before
+
+
+def test_tokens_beyond_the_models_positions_is_bad_input(tiny_gguf, tmp_path):
+    result = run("convert", tiny_gguf, "--output", tmp_path / "out", "--tokens", "100000")
+    assert_bad_input(result, "max_position_embeddings")
+    assert not (tmp_path / "out").exists()
+
+
+def test_degenerate_tokenizer_is_refused():
+    """A model directory without its tokenizer files can give a vocabulary-less tokenizer (all [UNK]):
+    the check would then pass on meaningless ids."""
+    from normswap.check import default_input_ids
+
+    class Unknown:
+        def __call__(self, text):
+            return {"input_ids": [1] + [2] * (len(text) // 4)}
+
+    with pytest.raises(ValueError, match="distinct ids"):
+        default_input_ids(Unknown(), 512)
 
 
 def test_convert_end_to_end(tiny_gguf, tmp_path):

@@ -31,7 +31,11 @@ def _manifest_sites(path) -> list:
 @click.option(
     "--greedy", type=click.IntRange(min=0), default=0, show_default=True, help="New tokens to compare."
 )
-@click.option("--max-abs", type=float, help="Override the tolerance on the max abs logit difference.")
+@click.option(
+    "--max-abs",
+    type=click.FloatRange(min=0),
+    help="Override the tolerance on the max abs logit difference.",
+)
 @click.option("--device-map", help='Passed to from_pretrained, e.g. "auto".')
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the CheckResult as JSON here.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the models' own Python code to run.")
@@ -49,9 +53,14 @@ def check_command(
 
     from normswap.check import compare, default_input_ids, reference_outputs
     from normswap.evaluate import load_for_eval, read_text
+    from normswap.io import check_output_file, resolve
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    if report:
+        check_output_file(report, [original, converted])
+    for source in (original, converted):
+        resolve(source)  # bad paths fail here, before the (slow) load of the other model
     kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code)
     model, tokenizer = load_for_eval(original, **kw)
     if tokenizer is None:
@@ -64,12 +73,16 @@ def check_command(
             raise NormswapError(f"{text_file}: gives fewer than 2 tokens")
         input_ids = torch.tensor([ids])
     sites = _manifest_sites(converted)
+    names = {name for name, _ in model.named_modules()}
+    if sites and not all(site.name in names for site in sites):
+        raise NormswapError(f"{converted}: its norm sites are not modules of {original} (different models?)")
     reference = reference_outputs(model, input_ids, sites=sites, greedy_tokens=greedy)
     del model  # lean: one model in memory at a time
     other, _ = load_for_eval(converted, tokenizer=False, **kw)
     try:
-        result = compare(reference, other, tolerance={"max_abs": max_abs} if max_abs else None, sites=sites)
-    except ValueError as error:
+        tolerance = None if max_abs is None else {"max_abs": max_abs}
+        result = compare(reference, other, tolerance=tolerance, sites=sites)
+    except (ValueError, KeyError, AttributeError) as error:  # a model of another architecture
         raise NormswapError(f"{converted}: {error}") from error
     if report:
         Path(report).write_text(json.dumps(result.to_dict(), indent=2) + "\n")

@@ -46,7 +46,8 @@ def default_input_ids(tokenizer, num_tokens: int = 512) -> torch.LongTensor:
         ``torch.long`` tensor of shape ``(1, T)`` on the CPU.
 
     Raises:
-        ValueError: if ``num_tokens < 2`` or the whole default text gives fewer than ``num_tokens`` tokens.
+        ValueError: if ``num_tokens < 2``, the whole default text gives fewer than ``num_tokens`` tokens, or
+            the ids are degenerate (fewer than min(8, T/4) distinct ids: a tokenizer without its vocabulary).
     """
     if num_tokens < 2:
         raise ValueError(f"num_tokens must be at least 2, got {num_tokens}")
@@ -56,5 +57,11 @@ def default_input_ids(tokenizer, num_tokens: int = 512) -> torch.LongTensor:
     for chars in (min_chars, None):
         ids = tokenizer(default_text(chars))["input_ids"]
         if len(ids) >= num_tokens:
+            distinct = len(set(ids[:num_tokens]))
+            if distinct < min(8, num_tokens // 4):  # even a byte-level tokenizer gives ~25 on English text
+                raise ValueError(
+                    f"the tokenizer turns {num_tokens} tokens of English text into only {distinct} distinct "
+                    "ids (missing tokenizer files?); the check would run on meaningless input"
+                )
             return torch.tensor([ids[:num_tokens]], dtype=torch.long)
     raise ValueError(f"the default text gives only {len(ids)} tokens, fewer than the {num_tokens} asked for")

@@ -9,6 +9,7 @@ from normswap.io.load import LoadedModel, ModelInfo, Resolved, is_causal_lm, loa
 from normswap.io.save import (
     MANIFEST,
     check_output_dir,
+    check_output_file,
     load_pretrained,
     plain_float_checkpoint,
     read_manifest,
@@ -25,6 +26,7 @@ __all__ = [
     "Resolved",
     "cache_dir",
     "check_output_dir",
+    "check_output_file",
     "fetch",
     "is_causal_lm",
     "load_model",

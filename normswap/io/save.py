@@ -73,6 +73,32 @@ def check_output_dir(out_dir: str | os.PathLike, source=None, *, overwrite: bool
     return out
 
 
+def check_output_file(path: str | os.PathLike, sources=(), output: str | os.PathLike | None = None) -> Path:
+    """Check that a JSON file (``--report``, ``--json``) can be written at ``path``; return it absolute.
+
+    Nothing is created. The file must not be, or lie inside, any input model of ``sources`` (MODEL
+    arguments) or the output directory ``output``, and its folder must exist and be writable.
+
+    Raises:
+        NormswapError: ``path`` is a directory, would overwrite or write into an input model or the output
+            directory, or its folder does not exist or is not writable.
+    """
+    target = Path(path).expanduser().resolve()
+    guarded = [p for source in sources for p in _protected_paths(source)]
+    if output is not None:
+        guarded.append(Path(output).expanduser().resolve())
+    for protected in guarded:
+        if target == protected or protected in target.parents:
+            raise NormswapError(f"{path} would overwrite or write into {protected}; choose another file")
+    if target.is_dir():
+        raise NormswapError(f"{path} is a directory; give a file name")
+    if not target.parent.is_dir():
+        raise NormswapError(f"cannot write {path}: directory {target.parent} does not exist")
+    if not os.access(target.parent, os.W_OK):
+        raise NormswapError(f"cannot write {path}: directory {target.parent} is not writable")
+    return target
+
+
 @contextlib.contextmanager
 def plain_float_checkpoint(model: torch.nn.Module):
     """Within the block, ``model`` saves as an ordinary float checkpoint even if it was loaded from GGUF.

@@ -161,8 +161,13 @@ def fetch(name: str) -> Path:
     final = cache_dir() / spec.name
     if final.is_dir():
         return cached_path(name)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{spec.name}.", suffix=".partial", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{spec.name}.", suffix=".partial", dir=final.parent))
+    except OSError as error:
+        raise NormswapError(
+            f"cannot use the model cache {final.parent} ($NORMSWAP_CACHE): {error.strerror or error}"
+        ) from error
     try:
         wheels = _download(spec, work / "wheels")
         built = work / spec.name
