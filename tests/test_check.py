@@ -328,3 +328,26 @@ def test_cli_check_exit_codes(tmp_path):
     result = runner.invoke(main, ["check", str(orig), str(tmp_path / "missing")], env=env)
     assert result.exit_code == 2 and "missing" in result.output
     assert os.listdir(tmp_path / "bad" / "orig")  # inputs untouched
+
+
+def test_cli_check_zero_tolerance_and_different_models(tmp_path):
+    """``--max-abs 0`` is a tolerance, not "unset"; two different models are bad input, not a traceback."""
+    from normswap.cli import main
+
+    env = {"HF_HUB_OFFLINE": "1"}
+    runner = CliRunner()
+    orig, conv = save_pair(tmp_path / "good")
+    result = runner.invoke(main, ["check", str(orig), str(conv), "--tokens", "64", "--max-abs", "0"], env=env)
+    assert result.exit_code == 1 and "FAIL" in result.output  # a fold moves logits by ~1e-7, not 0
+    assert runner.invoke(main, ["check", str(orig), str(conv), "--max-abs", "-1"], env=env).exit_code == 2
+    _, bad = save_pair(tmp_path / "other", "gemma", ignore_offset_at=set())
+    sites = [
+        {**s.to_dict(), "folded": True, "swapped": False} for s in decoder_sites(make_tiny_model("gemma"))
+    ]
+    (bad / "normswap.json").write_text(json.dumps({"sites": sites}))
+    gpt2 = tmp_path / "gpt2"
+    make_tiny_model("gpt2", vocab_size=260).save_pretrained(gpt2)
+    byte_tokenizer().save_pretrained(gpt2)
+    result = runner.invoke(main, ["check", str(gpt2), str(bad), "--tokens", "64"], env=env)
+    assert result.exit_code == 2, result.output
+    assert "not modules of" in result.output
