@@ -448,7 +448,9 @@ class _Tracer(TorchFunctionMode):
         return owners[0][0] if owners else param.rsplit(".", 1)[0]
 
 
-def _example_inputs(model: nn.Module, input_ids: torch.Tensor | None) -> dict:
+def example_inputs(model: nn.Module, input_ids: torch.Tensor | None = None) -> dict:
+    """The keyword inputs of the walk's forward: ``input_ids`` (default 2 x 16 fixed random ids), the
+    decoder's ids for an encoder-decoder, and ``use_cache=False`` where the forward takes it."""
     config = getattr(model, "config", None)
     if input_ids is None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -459,18 +461,11 @@ def _example_inputs(model: nn.Module, input_ids: torch.Tensor | None) -> dict:
         device = next(model.parameters()).device
     except StopIteration:
         device = torch.device("cpu")
-    inputs = {"input_ids": input_ids.to(device), "use_cache": False}
+    inputs = {"input_ids": input_ids.to(device)}
+    if _accepts(model, "use_cache"):
+        inputs["use_cache"] = False
     if getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = inputs["input_ids"]
-    return inputs
-
-
-def example_inputs(model: nn.Module, input_ids: torch.Tensor | None = None) -> dict:
-    """The keyword inputs of the walk's forward: ``input_ids`` (default 2 x 16 fixed random ids), the
-    decoder's ids for an encoder-decoder, and ``use_cache=False`` where the forward takes it."""
-    inputs = _example_inputs(model, input_ids)
-    if not _accepts(model, "use_cache"):
-        inputs.pop("use_cache")
     return inputs
 
 

@@ -32,6 +32,23 @@ BASE_CONFIG = dict(
 _DROP = object()  # marks a BASE_CONFIG key an architecture must not receive
 
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+# DeepSeek V2/V3: routed + shared experts and multi-head latent attention (q_a/kv_a norms)
+_MLA = dict(
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    head_dim=8,
+    num_key_value_heads=4,
+)
 
 # Config keys each architecture needs on top of BASE_CONFIG to be tiny and valid.
 _ARCH_DEFAULTS: dict[str, dict] = {
@@ -76,22 +93,7 @@ _ARCH_DEFAULTS: dict[str, dict] = {
         intermediate_size=[128, 128],
         activation_sparsity_pattern=[0.0, 0.0],
     ),
-    "deepseek_v3": dict(
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=32,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        head_dim=8,
-        num_key_value_heads=4,
-    ),
+    "deepseek_v3": _MLA,
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, experts_per_token=2, sliding_window=8),
     "olmoe": dict(_MOE, intermediate_size=32),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
@@ -116,22 +118,7 @@ _ARCH_DEFAULTS: dict[str, dict] = {
         num_sparse_encoder_layers=1,
         num_sparse_decoder_layers=1,
     ),
-    "deepseek_v2": dict(
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=32,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        head_dim=8,
-        num_key_value_heads=4,
-    ),
+    "deepseek_v2": _MLA,
     "mpt": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=64, expansion_ratio=2),
     "qwen3_next": dict(
         _MOE,

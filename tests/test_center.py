@@ -291,12 +291,12 @@ def test_refusal_names_the_site_and_leaves_the_model_bit_identical(name, expecte
 
 def test_failure_before_commit_leaves_the_model_unchanged(monkeypatch):
     """Falcon exercises every prepared step (untie, config-flag biases, centering); fail in the middle."""
-    import normswap.center as center_module
+    import normswap.center.rewrite as rewrite
 
     model = _model("falcon", new_decoder_architecture=True)
     state = _state(model)
     calls = []
-    real = center_module._centered
+    real = rewrite.centered
 
     def failing(*args):
         calls.append(1)
@@ -304,7 +304,7 @@ def test_failure_before_commit_leaves_the_model_unchanged(monkeypatch):
             raise RuntimeError("injected failure")
         return real(*args)
 
-    monkeypatch.setattr(center_module, "_centered", failing)
+    monkeypatch.setattr(rewrite, "centered", failing)
     with pytest.raises(RuntimeError, match="injected"):
         convert(model, norm="rmsnorm")
     after = _state(model)

@@ -39,7 +39,6 @@ from normswap.center.biased import BiasedRMSNorm
 from normswap.center.commit import commit, prepare
 from normswap.center.errors import CenteringError
 from normswap.center.plan import CenterResult, plan_centering
-from normswap.center.rewrite import centered as _centered
 from normswap.walk import Walk
 
 __all__ = ["BiasedRMSNorm", "CenterResult", "CenteringError", "center", "plan_centering"]
@@ -79,7 +78,5 @@ def center(
     """
     plan = plan_centering(model, walk, input_ids, untie=untie, add_biases=add_biases)
     if plan.result.note is None:
-        # ``_centered`` is looked up here at call time, so a test can inject a failure half-way through
-        # ``prepare`` by patching ``normswap.center._centered``.
-        commit(model, walk, plan, prepare(model, plan, _centered))
+        commit(model, walk, plan, prepare(model, plan))
     return plan.result

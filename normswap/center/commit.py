@@ -9,13 +9,12 @@ the cost is a temporary copy of the written parameters.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
+from normswap.center import rewrite
 from normswap.center.plan import Plan
-from normswap.center.rewrite import centered, table_rows
+from normswap.center.rewrite import table_rows
 from normswap.fold import untie_config
 from normswap.walk import Walk
 
@@ -24,13 +23,12 @@ Action = tuple  # ("untie", (module, attr), Parameter) | ("bias", (module, attr)
 
 
 @torch.no_grad()
-def prepare(model: nn.Module, plan: Plan, center_rows: Callable = centered) -> list[Action]:
+def prepare(model: nn.Module, plan: Plan) -> list[Action]:
     """Allocate every new tensor of ``plan``; the model is not touched.
 
     Args:
         model: the planned model.
         plan: from ``plan_centering``; its ``result.tables`` entries get their scale appended.
-        center_rows: the centering arithmetic (``rewrite.centered``).
 
     Returns:
         The actions ``commit`` applies, in order.
@@ -51,7 +49,7 @@ def prepare(model: nn.Module, plan: Plan, center_rows: Callable = centered) -> l
             actions.append(("bias", (mod_name, attr), zeros))
         actions.append(("flag", flag.name, True))
     for (param, axis), groups in plan.groups.items():
-        actions.append(("copy", plan.tensors[param], center_rows(plan.tensors[param], axis, groups)))
+        actions.append(("copy", plan.tensors[param], rewrite.centered(plan.tensors[param], axis, groups)))
     for i, (emb, (norm_name, site)) in enumerate(plan.tables.items()):
         norm = model.get_submodule(norm_name)
         rows, scale = table_rows(plan.tensors[emb], site, norm)
