@@ -316,10 +316,12 @@ def zoo(output, only):
 @click.option("--quick", is_flag=True, help="One [1024, 576] shape, 3 rounds (a smoke run).")
 @click.option("--model", default=None, help="Also time prefill/decode of MODEL, original vs converted.")
 @click.option("--model-rounds", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--model-copies", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Copies of the original and of the converted model to time.")  # fmt: skip
 @click.option("--no-kernels", is_flag=True, help="Skip the kernel grid (with --model).")
 @click.option("--no-heap-reuse", is_flag=True, help="Keep glibc's mmap of large outputs.")
-def bench(out_dir, device, rounds, dtypes, backends, threads, quick, model, model_rounds, no_kernels,
-          no_heap_reuse):  # fmt: skip
+def bench(out_dir, device, rounds, dtypes, backends, threads, quick, model, model_rounds, model_copies,
+          no_kernels, no_heap_reuse):  # fmt: skip
     """Time normswap's norm kernels against HF eager norms, torch's norms and a same-size copy.
 
     Prints the median time of each as a ratio to the copy and as GB/s (docs/KERNELS.md explains the method).
@@ -340,6 +342,7 @@ def bench(out_dir, device, rounds, dtypes, backends, threads, quick, model, mode
             kernels=not no_kernels,
             model=model,
             model_rounds=model_rounds,
+            model_copies=model_copies,
             log=click.echo,
         )
     except ValueError as e:

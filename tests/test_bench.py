@@ -49,6 +49,7 @@ def test_write_results(tmp_path):
     paths = bench.write_results(rows, tmp_path / "out", bench.machine_info("cpu", False))
     doc = json.loads(paths[0].read_text())
     assert doc["results"] == rows and doc["machine"]["torch"] == torch.__version__
+    assert doc["targets"] == []  # no target covers [4, 16]
     if importlib.util.find_spec("matplotlib") is not None:
         assert paths[1].suffix == ".png" and paths[1].stat().st_size > 0
 
@@ -78,8 +79,9 @@ def test_bench_command_exit_codes(tmp_path):
 
 
 def test_bench_model_on_tiny_gguf(tiny_gguf):
-    """Original vs converted on a tiny Llama: both phases timed, same greedy tokens after conversion."""
-    rows = bench.bench_model(str(tiny_gguf), prompt_len=16, decode_tokens=3, rounds=1)
+    """Two copies each of the original and the converted tiny Llama: both phases timed, each copy's
+    median reported, same greedy tokens after conversion."""
+    rows = bench.bench_model(str(tiny_gguf), prompt_len=16, decode_tokens=3, rounds=2, copies=2)
     assert [(r["phase"], r["model"]) for r in rows] == [
         ("prefill", "original"),
         ("prefill", "converted"),
@@ -87,4 +89,104 @@ def test_bench_model_on_tiny_gguf(tiny_gguf):
         ("decode", "converted"),
     ]
     assert all(r["tokens_agree"] for r in rows) and all(r["median_s"] > 0 for r in rows)
+    assert all(len(r["copy_medians_s"]) == 2 for r in rows)
+    for r in rows:  # the pooled median lies within its copies' medians
+        assert min(r["copy_medians_s"]) <= r["median_s"] <= max(r["copy_medians_s"])
+    assert [r["ratio_to_original"] for r in rows if r["model"] == "original"] == [1.0, 1.0]
     assert "| decode | converted |" in bench.format_model_table(rows)
+    with pytest.raises(ValueError, match="copies"):
+        bench.bench_model(str(tiny_gguf), copies=0)
+
+
+@pytest.mark.compile
+def test_bench_floor_kernels_compute_what_they_claim():
+    """The two compiled reference kernels timed beside the norms: x * w rounded once (bit-identical to
+    eager, no reduction involved) and the float32 row sum of squares (float64 reference, float32
+    summation-order bound: D * eps32 relative)."""
+    from normswap.kernels.compiled import compiled_function
+
+    rows = bench.bench_kernels([(64, 256)], ["bfloat16"], ["compiled"], rounds=1)
+    names = {r["name"] for r in rows}
+    assert {bench.FLOOR_ONE_PASS, bench.FLOOR_READ} <= names
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(64, 256, generator=g) * 3).bfloat16()
+    w = (torch.rand(256, generator=g) + 0.5).bfloat16()
+    assert torch.equal(compiled_function(bench._scale_rows)(x, w), (x.float() * w.float()).bfloat16())
+    s = compiled_function(bench._sum_squares)(x)
+    want = x.double().pow(2).sum(-1)
+    assert s.shape == (64,) and s.dtype == torch.float32
+    assert ((s.double() - want).abs() <= 256 * 2**-24 * want).all()
+
+
+def _row(tokens, hidden, dtype, name, median_s, copy_s):
+    return {
+        "tokens": tokens,
+        "hidden": hidden,
+        "dtype": dtype,
+        "name": name,
+        "median_s": median_s,
+        "ratio_to_copy": median_s / copy_s,
+    }
+
+
+def test_check_targets_cpu_and_cuda():
+    """The verdicts against the kernel issue's targets, one per op and configuration, for the op's fastest
+    backend: CPU <= 1.3x of the copy at [16384, 2048]; CUDA (bfloat16, hidden >= 2048) >= 80% of the copy's
+    bandwidth and faster than F.rms_norm."""
+    rows = [
+        _row(16384, 2048, "float32", "copy", 1.0, 1.0),
+        _row(16384, 2048, "float32", "normswap rms_norm llama [eager]", 3.5, 1.0),  # slower backend
+        _row(16384, 2048, "float32", "normswap rms_norm llama [compiled]", 1.25, 1.0),
+        _row(16384, 2048, "bfloat16", "normswap layer_norm [torch]", 1.35, 1.0),
+        _row(4096, 576, "bfloat16", "normswap layer_norm [torch]", 3.0, 1.0),  # not covered on the CPU
+    ]
+    lines = bench.check_targets(rows, "cpu")
+    assert len(lines) == 2
+    assert lines[0].startswith("[16384, 2048] float32 normswap rms_norm llama [compiled]: 1.25x") and lines[
+        0
+    ].endswith(": met")
+    assert "1.35x of copy (target <= 1.3x): missed" in lines[1]
+
+    cuda = [
+        _row(8192, 4096, "bfloat16", "F.rms_norm", 1.5, 1.0),
+        _row(8192, 4096, "bfloat16", "normswap rms_norm llama [torch]", 1.5, 1.0),  # slower backend
+        _row(8192, 4096, "bfloat16", "normswap rms_norm llama [triton]", 1.2, 1.0),  # 83%, faster: met
+        _row(8192, 4096, "bfloat16", "normswap rms_norm gemma [triton]", 1.6, 1.0),  # 62%, slower: missed
+        _row(8192, 4096, "bfloat16", "normswap layer_norm [triton]", 1.3, 1.0),  # 77%: missed
+        _row(8192, 4096, "float32", "normswap rms_norm llama [triton]", 9.0, 1.0),  # float32: not covered
+        _row(4096, 576, "bfloat16", "normswap rms_norm llama [triton]", 9.0, 1.0),  # hidden < 2048
+    ]
+    lines = bench.check_targets(cuda, "cuda")
+    assert len(lines) == 3
+    assert "83% of copy bandwidth" in lines[0] and "1.25x the speed of F.rms_norm" in lines[0]
+    assert lines[0].endswith(": met")
+    assert "62% of copy bandwidth" in lines[1] and lines[1].endswith(": missed")
+    assert (
+        "77% of copy bandwidth" in lines[2] and "F.rms_norm" not in lines[2] and lines[2].endswith(": missed")
+    )
+
+
+def test_cuda_timing_is_event_mean_of_back_to_back_calls(monkeypatch):
+    """On CUDA a sample is (event elapsed ms) / 1e3 / CUDA_CALLS with CUDA_CALLS calls between the
+    events; checked with stand-in events, since the tests run without a GPU."""
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 40.0  # milliseconds
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    calls = []
+    seconds = bench._time_call(lambda: calls.append(1), torch.device("cuda"))
+    assert len(calls) == bench.CUDA_CALLS
+    assert seconds == pytest.approx(0.040 / bench.CUDA_CALLS)
+    calls.clear()
+    assert bench._time_call(lambda: calls.append(1), torch.device("cpu")) >= 0 and len(calls) == 1

@@ -439,12 +439,19 @@ def test_bad_arguments(call, message):
 
 
 def test_backend_from_environment(monkeypatch):
+    """$NORMSWAP_BACKEND is read once per process (``ops._ENV`` holds it; clearing it re-reads)."""
+    from normswap.kernels import ops
+
+    monkeypatch.setattr(ops, "_ENV", [])
     monkeypatch.setenv("NORMSWAP_BACKEND", "torch")
     assert resolve_backend(None) == "torch" and resolve_backend("eager") == "eager"
     monkeypatch.setenv("NORMSWAP_BACKEND", "turbo")
+    assert resolve_backend(None) == "torch"  # read once
+    ops._ENV.clear()
     with pytest.raises(ValueError, match=r"\$NORMSWAP_BACKEND must be one of"):
         rms_norm(torch.randn(2, 8))
     monkeypatch.delenv("NORMSWAP_BACKEND")
+    ops._ENV.clear()
     assert resolve_backend(None) == "auto"
 
 

@@ -3,7 +3,7 @@
 Inductor turns each norm into one fused loop per row (a C++/OpenMP kernel on CPU, Triton on CUDA) that
 reads the input once from memory and writes the output once, instead of the five or six full passes of
 the eager op sequence. The cast order survives compilation because we compile with inductor's
-``emulate_precision_casts`` (see ``_compiled``), so results differ from eager only by the float32
+``emulate_precision_casts`` (see ``compiled_function``), so results differ from eager only by the float32
 summation order of the reduction.
 
 The first call for each (function, dtypes, trailing shape, eps) compiles, which costs seconds (about 15 s
@@ -48,7 +48,9 @@ def _add_rms(
 _CACHE: dict = {}
 
 
-def _compiled(fn):
+def compiled_function(fn):
+    """``torch.compile(fn)`` as this backend compiles (fullgraph, ``emulate_precision_casts``), cached per
+    function. Used by the benchmark to compile its reference kernels exactly like the norms."""
     c = _CACHE.get(fn)
     if c is None:
         # emulate_precision_casts: without it inductor drops the low-precision round trip of
@@ -84,9 +86,9 @@ def _key(fn, n_rows_args: int, args) -> tuple:
 def _run(fn, n_rows_args: int, *args):
     key = _key(fn, n_rows_args, args)
     if key in _SEEN:  # compiled already: skip the config patch (it costs ~40 us a call)
-        return _compiled(fn)(*args)
+        return compiled_function(fn)(*args)
     with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-        out = _compiled(fn)(*args)
+        out = compiled_function(fn)(*args)
     _SEEN.add(key)
     return out
 

@@ -1,7 +1,7 @@
 """Functional norm ops, registered as ``torch.library`` custom ops, and the choice of backend per call.
 
 Backends (``backend=`` argument, the module's ``backend`` attribute, or the ``NORMSWAP_BACKEND``
-environment variable, in that order of precedence):
+environment variable, read once per process, in that order of precedence):
 
 * ``"auto"`` (default): CUDA -> ``"triton"`` when triton is installed and the dtypes are half, bfloat16 or
   float32, else ``"torch"``; CPU -> ``"torch"`` for LayerNorm (torch's fused kernel, already near the copy
@@ -37,9 +37,17 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TRITON_MAX_D = 65536  # triton_norm.MAX_D, kept here so the check does not import triton
 
 
+# $NORMSWAP_BACKEND, read once per process at the first call that needs it: a lookup of an unset variable
+# raises and catches a KeyError inside os.environ, which cost ~15 us a call on a decode step's cold caches
+# (more than the eager norm of one token). ``_ENV.clear()`` makes the next call read it again.
+_ENV: list[str] = []
+
+
 @torch.compiler.assume_constant_result
 def _env_backend() -> str:
-    return os.environ.get(ENV_VAR, "") or "auto"
+    if not _ENV:
+        _ENV.append(os.environ.get(ENV_VAR, "") or "auto")
+    return _ENV[0]
 
 
 def resolve_backend(backend: str | None) -> str:
@@ -249,6 +257,13 @@ def rms_norm(
         ValueError: bad cast order, backend, dtype or weight shape (see ``reference.check_args``).
     """
     ref.check_args(x, weight, None, offset, cast_order)
+    return rms_norm_unchecked(x, weight, eps, offset, cast_order, backend)
+
+
+def rms_norm_unchecked(x, weight, eps, offset, cast_order, backend):
+    """``rms_norm`` without its argument checks, for ``FusedRMSNorm``, whose parameters were checked when it
+    was made; an input of the wrong size fails in torch's broadcasting, as in the HF module it replaces.
+    The checks cost ~10 us a call on a decode step's cold caches, a sixth of a one-token norm."""
     name = resolve_backend(backend)
     route = _route(name, x, weight)
     if route == "impl":
@@ -286,6 +301,11 @@ def layer_norm(
         ValueError: as in ``rms_norm``.
     """
     ref.check_args(x, weight, bias, offset, cast_order)
+    return layer_norm_unchecked(x, weight, bias, eps, offset, cast_order, backend)
+
+
+def layer_norm_unchecked(x, weight, bias, eps, offset, cast_order, backend):
+    """``layer_norm`` without its argument checks (``FusedLayerNorm``'s path, see ``rms_norm_unchecked``)."""
     name = resolve_backend(backend)
     route = _route(name, x, weight, bias)
     if route == "impl":
