@@ -3,7 +3,10 @@
     python benchmarks/bench_norms.py                # issue 5's grid on the CPU -> benchmarks/results/
     python benchmarks/bench_norms.py --device cuda  # adds the triton backend when installed
     python benchmarks/bench_norms.py --model smollm2-135m  # also prefill/decode, original vs converted
-    python benchmarks/bench_norms.py --quick        # one small shape, 3 rounds (smoke run)
+    python benchmarks/bench_norms.py --quick --out /tmp/b   # one small shape, 3 rounds (smoke run)
+
+It writes into benchmarks/results/ (the committed results) unless --out says otherwise; `normswap bench`
+writes into ./normswap-bench/.
 
 Method and caveats: normswap/bench.py and docs/KERNELS.md.
 """

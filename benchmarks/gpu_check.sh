@@ -14,13 +14,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/cuda}
-mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 - <<'PY' || exit 2
-import torch, triton
-assert torch.cuda.is_available(), "no CUDA device visible to torch"
+import sys
+try:
+    import torch, triton
+except ImportError as error:
+    sys.exit(f"gpu_check: {error} (needs a CUDA build of torch and triton)")
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: this torch sees no CUDA device")
 print("torch", torch.__version__, "triton", triton.__version__, "gpu", torch.cuda.get_device_name())
 PY
+mkdir -p "$OUT"
 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda or triton or compiled" 2>&1 | tee "$OUT/tests.log"
 tests=${PIPESTATUS[0]}
 python3 -m normswap bench --device cuda --rounds 30 --out "$OUT" 2>&1 | tee "$OUT/bench.log"

@@ -184,6 +184,7 @@ def bench_kernels(
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    _check_kernel_args(device, dtypes, backends)
     dev = torch.device(device)
     backends = default_backends(dev) if backends is None else list(backends)
     rows = []
@@ -272,7 +273,7 @@ def bench_model(
     ``1 x 16`` prompt; the prompt's forward is not timed).
 
     Several copies, because where a model's weights land in memory matters: identical copies of
-    SmolLM2-135M differed by up to 14% here. Each row pools its copies' samples; ``copy_medians_s`` shows
+    SmolLM2-135M differed by up to 18% here. Each row pools its copies' samples; ``copy_medians_s`` shows
     that spread, and a converted/original ratio inside it is noise. (Copies also give every model freshly
     allocated, aligned weights: GGUF-loaded ones can sit at 16-byte offsets, which alone slowed decode.)
 
@@ -513,19 +514,35 @@ def run(
     Returns:
         ``(kernel rows, model rows, paths written)``.
 
+    Every argument is checked before anything is timed, so a bad one costs no run.
+
     Raises:
-        ValueError: ``rounds``/``model_rounds``/``model_copies``/``threads`` below 1, unknown dtype or
-            backend.
-        normswap.errors.NormswapError: ``model`` cannot be loaded or converted.
+        ValueError: nothing to run (no kernels, no model), ``rounds``/``model_rounds``/``model_copies``/
+            ``threads`` below 1, a dtype that is not a floating-point dtype, a device other than cpu or an
+            available cuda, an unknown backend or one the device cannot run (triton off cuda), ``out_dir``
+            not a creatable directory.
+        normswap.errors.NormswapError: ``model`` does not resolve (checked first), or cannot be loaded or
+            converted.
     """
+    if not kernels and not model:
+        raise ValueError("nothing to run: without the kernel grid, name a model to time")
     checks = [("rounds", rounds), ("model_rounds", model_rounds), ("model_copies", model_copies)]
     for name, value in checks + ([("threads", threads)] if threads is not None else []):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    from normswap.kernels import resolve_backend
+    if kernels:
+        _check_kernel_args(device, dtypes, backends)
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"{out}: not a directory") from None
+    except OSError as error:
+        raise ValueError(f"cannot create {out}: {error.strerror or error}") from None
+    if model:
+        from normswap.io.load import resolve
 
-    for be in backends or []:
-        resolve_backend(be)
+        resolve(model)  # a bad MODEL fails here, not after the kernel grid
     if threads is not None:
         torch.set_num_threads(threads)
     heap = reuse_heap() if heap_reuse else False
@@ -538,10 +555,36 @@ def run(
     if model:
         model_rows = bench_model(model, rounds=model_rounds, copies=model_copies, log=log)
         log(format_model_table(model_rows))
-    paths = write_results(rows, out_dir, machine_info(device, heap), model_rows)
+    info = machine_info(device, heap)
+    info["settings"] = {"rounds": rounds, "shapes": [list(sh) for sh in shapes] if kernels else [],
+                        "model_rounds": model_rounds if model else None,
+                        "model_copies": model_copies if model else None}  # fmt: skip
+    paths = write_results(rows, out_dir, info, model_rows)
     for path in paths:
         log(f"wrote {path}")
     return rows, model_rows, paths
+
+
+def _check_kernel_args(device: str, dtypes, backends: list[str] | None) -> None:
+    """The kernel grid's arguments, checked before any timing (see ``run``)."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r} (cpu or cuda)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch sees no CUDA device")
+    for name in dtypes:
+        dt = getattr(torch, name, None)
+        if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+            raise ValueError(f"unknown dtype {name!r} (a floating-point dtype such as float32 or bfloat16)")
+    from normswap.kernels import resolve_backend
+
+    for be in backends or []:
+        resolve_backend(be)
+        if be == "triton" and be not in default_backends(dev):
+            raise ValueError(f"the triton backend runs on cuda with triton installed, not on {device!r}")
 
 
 def _plot(rows: list[dict], path: Path) -> Path | None:

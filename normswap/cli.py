@@ -85,6 +85,12 @@ def main() -> None:
 
     Exit codes: 0 success, 1 the logits check failed, 2 bad input.
     """
+    from normswap.kernels import resolve_backend
+
+    try:  # $NORMSWAP_BACKEND picks the fused norms' kernels: a bad value fails now, not after loading
+        resolve_backend(None)
+    except ValueError as error:
+        raise NormswapError(str(error)) from error
 
 
 @main.command()
@@ -306,7 +312,7 @@ def zoo(output, only):
 
 
 @main.command()
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("benchmarks/results"),
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("normswap-bench"),
               show_default=True, help="Folder for norm_kernels.json (and .png with matplotlib).")  # fmt: skip
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda (adds the triton backend).")
 @click.option("--rounds", type=click.IntRange(min=1), default=15, show_default=True, help="Timed rounds.")

@@ -72,6 +72,19 @@ def test_missing_model(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_bad_backend_variable_is_bad_input_before_loading(command, tiny_gguf, tmp_path, monkeypatch):
+    """$NORMSWAP_BACKEND is checked when a command starts (one line, exit 2), not after load and convert."""
+    from normswap.kernels import ops
+
+    monkeypatch.setattr(ops, "_ENV", [])  # read the variable afresh
+    monkeypatch.setenv("NORMSWAP_BACKEND", "turbo")
+    args = [command, tiny_gguf] + (["--output", tmp_path / "out"] if command == "convert" else [])
+    result = run(*args)
+    assert_bad_input(result, "$NORMSWAP_BACKEND must be one of")
+    assert not (tmp_path / "out").exists()
+
+
 def test_unknown_hub_id(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = run("inspect", "normswap-test/not-a-model")
