@@ -8,7 +8,7 @@
 It writes into benchmarks/results/ (the committed results) unless --out says otherwise; `normswap bench`
 writes into ./normswap-bench/.
 
-Method and caveats: normswap/bench.py and docs/KERNELS.md.
+Method and caveats: normswap/bench/ and docs/KERNELS.md.
 """
 
 import os

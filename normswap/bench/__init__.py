@@ -1,0 +1,135 @@
+"""``normswap bench``: norm kernels and model-level latency, measured side by side.
+
+* ``kernels.py``: the kernel grid, normswap's ops against HF eager modules, torch's norms, a same-size
+  copy (the memory roofline) and two compiled floor kernels; CPU and CUDA timing.
+* ``model.py``: prefill and cached decode of a model, original vs converted, several copies of each.
+* ``report.py``: machine info, tables, verdicts against the kernel targets, JSON and PNG.
+
+``run`` is the whole benchmark as ``normswap bench`` and ``benchmarks/bench_norms.py`` run it; method and
+measured numbers: docs/KERNELS.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from normswap.bench.kernels import (
+    CUDA_CALLS,
+    DTYPES,
+    FLOOR_ONE_PASS,
+    FLOOR_READ,
+    SHAPES,
+    bench_kernels,
+    check_kernel_args,
+    default_backends,
+    reuse_heap,
+)
+from normswap.bench.model import bench_model
+from normswap.bench.report import (
+    CPU_TARGET_RATIO,
+    CUDA_TARGET_FRACTION,
+    check_targets,
+    format_model_table,
+    format_table,
+    machine_info,
+    write_results,
+)
+
+__all__ = [
+    "CPU_TARGET_RATIO",
+    "CUDA_CALLS",
+    "CUDA_TARGET_FRACTION",
+    "DTYPES",
+    "FLOOR_ONE_PASS",
+    "FLOOR_READ",
+    "SHAPES",
+    "bench_kernels",
+    "bench_model",
+    "check_targets",
+    "default_backends",
+    "format_model_table",
+    "format_table",
+    "machine_info",
+    "reuse_heap",
+    "run",
+    "write_results",
+]
+
+
+def run(
+    out_dir: str | Path,
+    *,
+    device: str = "cpu",
+    shapes=SHAPES,
+    dtypes=DTYPES,
+    backends: list[str] | None = None,
+    rounds: int = 15,
+    heap_reuse: bool = True,
+    threads: int | None = None,
+    kernels: bool = True,
+    model: str | None = None,
+    model_rounds: int = 5,
+    model_copies: int = 2,
+    log: Callable[[str], None] = print,
+) -> tuple[list[dict], list[dict], list[Path]]:
+    """The whole benchmark, as ``benchmarks/bench_norms.py`` and ``normswap bench`` run it.
+
+    Times the kernel grid (``bench_kernels``) unless ``kernels`` is False and, with ``model``, the model
+    level (``bench_model``); logs progress and the markdown tables through ``log``; writes the results
+    into ``out_dir`` (``write_results``).
+
+    Returns:
+        ``(kernel rows, model rows, paths written)``.
+
+    Every argument is checked before anything is timed, so a bad one costs no run.
+
+    Raises:
+        ValueError: nothing to run (no kernels, no model), ``rounds``/``model_rounds``/``model_copies``/
+            ``threads`` below 1, a dtype that is not a floating-point dtype, a device other than cpu or an
+            available cuda, an unknown backend or one the device cannot run (triton off cuda), ``out_dir``
+            not a creatable directory.
+        normswap.errors.NormswapError: ``model`` does not resolve (checked first), or cannot be loaded or
+            converted.
+    """
+    if not kernels and not model:
+        raise ValueError("nothing to run: without the kernel grid, name a model to time")
+    checks = [("rounds", rounds), ("model_rounds", model_rounds), ("model_copies", model_copies)]
+    for name, value in checks + ([("threads", threads)] if threads is not None else []):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if kernels:
+        check_kernel_args(device, dtypes, backends)
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"{out}: not a directory") from None
+    except OSError as error:
+        raise ValueError(f"cannot create {out}: {error.strerror or error}") from None
+    if model:
+        from normswap.io.load import resolve
+
+        resolve(model)  # a bad MODEL fails here, not after the kernel grid
+    if threads is not None:
+        torch.set_num_threads(threads)
+    heap = reuse_heap() if heap_reuse else False
+    rows, model_rows = [], []
+    if kernels:
+        rows = bench_kernels(shapes, dtypes, backends, rounds, device, log=log)
+        log(format_table(rows))
+        for line in check_targets(rows, device):
+            log(f"target {line}")
+    if model:
+        model_rows = bench_model(model, rounds=model_rounds, copies=model_copies, log=log)
+        log(format_model_table(model_rows))
+    info = machine_info(device, heap)
+    info["settings"] = {"rounds": rounds, "shapes": [list(sh) for sh in shapes] if kernels else [],
+                        "model_rounds": model_rounds if model else None,
+                        "model_copies": model_copies if model else None}  # fmt: skip
+    paths = write_results(rows, out_dir, info, model_rows)
+    for path in paths:
+        log(f"wrote {path}")
+    return rows, model_rows, paths
