@@ -319,7 +319,9 @@ def zoo(output, only):
 @click.option("--dtypes", default="float32,bfloat16", show_default=True, help="Comma-separated dtype names.")
 @click.option("--backends", default=None, help="Comma-separated normswap backends (default: all usable).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch.set_num_threads.")
-@click.option("--quick", is_flag=True, help="One [1024, 576] shape, 3 rounds (a smoke run).")
+@click.option(
+    "--quick", is_flag=True, help="One [1024, 576] shape, 3 rounds, whatever --rounds says (a smoke run)."
+)
 @click.option("--model", default=None, help="Also time prefill/decode of MODEL, original vs converted.")
 @click.option("--model-rounds", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--model-copies", type=click.IntRange(min=1), default=2, show_default=True,
@@ -341,7 +343,7 @@ def bench(out_dir, device, rounds, dtypes, backends, threads, quick, model, mode
             device=device,
             shapes=((1024, 576),) if quick else bench_lib.SHAPES,
             dtypes=dtypes.split(","),
-            backends=backends.split(",") if backends else None,
+            backends=[b for b in backends.split(",") if b] if backends is not None else None,
             rounds=3 if quick else rounds,
             heap_reuse=not no_heap_reuse,
             threads=threads,

@@ -65,6 +65,7 @@ def test_bench_command_exit_codes(tmp_path):
     out = ["--out", str(tmp_path)]
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    fresh = tmp_path / "fresh"  # must not be created by a refused run
     cases = [
         (["--rounds", "0"], "0 is not in the range x>=1"),
         (["--dtypes", "float12", "--backends", "eager", *out], "unknown dtype"),
@@ -75,7 +76,14 @@ def test_bench_command_exit_codes(tmp_path):
         (["--device", "meta", *out], "device must be cpu or cuda"),
         (["--quick", "--out", str(a_file)], "not a directory"),
         (["--no-kernels", *out], "nothing to run"),
-        (["--quick", "--model", str(tmp_path / "nope"), *out], "no such file or directory"),
+        (["--quick", "--model", str(tmp_path / "nope"), "--out", str(fresh)], "no such file or directory"),
+        (
+            ["--no-kernels", "--model", "smollm2-135m", "--device", "tpu", "--out", str(fresh)],
+            "unknown device",
+        ),
+        (["--no-kernels", "--model", "smollm2-135m", "--device", "meta", "--out", str(fresh)], "must be cpu"),
+        (["--quick", "--backends", "", "--out", str(fresh)], "list of backends is empty"),
+        (["--quick", "--out", str(a_file / "sub")], "is not a directory"),
     ]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda", *out], "sees no CUDA device"))
@@ -85,8 +93,9 @@ def test_bench_command_exit_codes(tmp_path):
         assert result.exit_code == 2, (args, result.output)
         assert message in result.output, (args, result.output)
         assert "Traceback" not in result.output
-    # every bad argument was refused before any timing: no results were written
+    # every bad argument was refused before any timing: no results were written, no folder was made
     assert not (tmp_path / "norm_kernels.json").exists() and a_file.read_text() == "x"
+    assert not fresh.exists()
     args = ["--quick", "--no-heap-reuse", "--dtypes", "float32", "--backends", "eager,torch", *out]
     result = runner.invoke(main, ["bench", *args])
     assert result.exit_code == 0, result.output

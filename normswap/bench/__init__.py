@@ -11,6 +11,7 @@ measured numbers: docs/KERNELS.md.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,26 +90,22 @@ def run(
     Raises:
         ValueError: nothing to run (no kernels, no model), ``rounds``/``model_rounds``/``model_copies``/
             ``threads`` below 1, a dtype that is not a floating-point dtype, a device other than cpu or an
-            available cuda, an unknown backend or one the device cannot run (triton off cuda), ``out_dir``
-            not a creatable directory.
+            available cuda (or not cpu with ``model``: the model level times on the CPU), an unknown or
+            empty list of backends or one the device cannot run (triton off cuda), an ``out_dir`` that is a
+            file or cannot be created (nothing is created before the results are written).
         normswap.errors.NormswapError: ``model`` does not resolve (checked first), or cannot be loaded or
             converted.
     """
     if not kernels and not model:
-        raise ValueError("nothing to run: without the kernel grid, name a model to time")
+        raise ValueError("nothing to run: without the kernel grid (--no-kernels), name a --model to time")
     checks = [("rounds", rounds), ("model_rounds", model_rounds), ("model_copies", model_copies)]
     for name, value in checks + ([("threads", threads)] if threads is not None else []):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    if kernels:
-        check_kernel_args(device, dtypes, backends)
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise ValueError(f"{out}: not a directory") from None
-    except OSError as error:
-        raise ValueError(f"cannot create {out}: {error.strerror or error}") from None
+    check_kernel_args(device, dtypes, backends)
+    if model and torch.device(device).type != "cpu":
+        raise ValueError(f"the model-level timing runs on the CPU only; drop --device {device} with --model")
+    _check_out_dir(Path(out_dir))
     if model:
         from normswap.io.load import resolve
 
@@ -133,3 +130,16 @@ def run(
     for path in paths:
         log(f"wrote {path}")
     return rows, model_rows, paths
+
+
+def _check_out_dir(out: Path) -> None:
+    """``out`` is a directory, or can be created as one, writable; nothing is created here."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: not a directory")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"cannot create {out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write into {parent}: permission denied")

@@ -242,6 +242,8 @@ def check_kernel_args(device: str, dtypes, backends: list[str] | None) -> None:
             raise ValueError(f"unknown dtype {name!r} (a floating-point dtype such as float32 or bfloat16)")
     from normswap.kernels import resolve_backend
 
+    if backends is not None and not backends:
+        raise ValueError("the list of backends is empty (leave it out to time every usable backend)")
     for be in backends or []:
         resolve_backend(be)
         if be == "triton" and be not in default_backends(dev):
