@@ -123,9 +123,12 @@ def run(
         model_rows = bench_model(model, rounds=model_rounds, copies=model_copies, log=log)
         log(format_model_table(model_rows))
     info = machine_info(device, heap)
-    info["settings"] = {"rounds": rounds, "shapes": [list(sh) for sh in shapes] if kernels else [],
-                        "model_rounds": model_rounds if model else None,
-                        "model_copies": model_copies if model else None}  # fmt: skip
+    info["settings"] = {
+        "rounds": rounds if kernels else None,
+        "shapes": [list(sh) for sh in shapes] if kernels else [],
+        "model_rounds": model_rounds if model else None,
+        "model_copies": model_copies if model else None,
+    }
     paths = write_results(rows, out_dir, info, model_rows)
     for path in paths:
         log(f"wrote {path}")

@@ -11,24 +11,15 @@ from pathlib import Path
 import torch
 
 
-def _cpu_model() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The value of the first ``field`` line of /proc/cpuinfo (Linux), or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return None
 
 
 def machine_info(device: str = "cpu", heap_reuse: bool | None = None) -> dict:
@@ -37,9 +28,9 @@ def machine_info(device: str = "cpu", heap_reuse: bool | None = None) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "processor": _cpu_model(),
+        "processor": _cpuinfo("model name") or platform.processor() or platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # ATen's vector ISA (AVX2, AVX512...)
-        "cpu_bf16_instructions": _cpu_flags() >= {"avx512_bf16"},
+        "cpu_bf16_instructions": "avx512_bf16" in (_cpuinfo("flags") or "").split(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": device,
