@@ -13,7 +13,7 @@ from normswap.errors import NormswapError
 from normswap.fold import fold_site, plan, untie_checked
 from normswap.sites import NormSite
 from normswap.swap import swap_norms
-from normswap.walk import Walk, walk
+from normswap.walk import ExampleInputs, Walk, walk
 
 NORM_CHOICES = ("keep", "rmsnorm")
 log = logging.getLogger("normswap")
@@ -65,17 +65,42 @@ def _model_name(model: nn.Module) -> str:
     return getattr(config, "_name_or_path", "") or type(model).__name__
 
 
-def inspect(model: nn.Module, input_ids: torch.Tensor | None = None) -> list[NormSite]:
+def trace_inputs(input_ids: torch.Tensor | None = None, example_inputs=None):
+    """The inputs the pipeline traces with: ``ExampleInputs`` when ``example_inputs`` is given, else the ids.
+
+    Raises:
+        ValueError: both are given.
+        TypeError: ``example_inputs`` has none of the forms ``ExampleInputs.of`` accepts.
+    """
+    if example_inputs is None:
+        return input_ids
+    if input_ids is not None:
+        raise ValueError("give either input_ids or example_inputs, not both")
+    return ExampleInputs.of(example_inputs)
+
+
+def inspect(
+    model: nn.Module, input_ids: torch.Tensor | None = None, *, example_inputs=None
+) -> list[NormSite]:
     """List the norms of ``model`` with their semantics, consumers and foldability; changes nothing.
 
     Args:
-        model: a Hugging Face model (any ``nn.Module`` whose forward takes ``input_ids``).
-        input_ids: ``(batch, seq)`` int64 ids for the one traced forward; default 2 x 16 fixed random ids.
+        model: any ``nn.Module``: a Hugging Face model, or one whose forward takes other inputs (give
+            ``example_inputs`` then).
+        input_ids: ``(batch, seq)`` int64 ids for the one traced forward (called as
+            ``model(input_ids=...)``); default 2 x 16 fixed random ids below the config's vocabulary size.
+        example_inputs: the traced forward's inputs instead, as ``torch.export`` takes them:
+            ``(args_tuple, kwargs_dict)``; also a tuple of positional args, a dict of keyword args, a single
+            tensor (one positional arg) or ``normswap.walk.ExampleInputs``. Called as
+            ``model(*args, **kwargs)``, exactly as given.
 
     Returns:
         One ``NormSite`` per norm module, in execution order.
+
+    Raises:
+        ValueError: both ``input_ids`` and ``example_inputs`` given.
     """
-    return walk(model, input_ids).sites
+    return walk(model, trace_inputs(input_ids, example_inputs)).sites
 
 
 def convert(
@@ -86,6 +111,7 @@ def convert(
     untie: bool = True,
     swap: bool = True,
     input_ids: torch.Tensor | None = None,
+    example_inputs=None,
     traced: Walk | None = None,
 ) -> ConvertReport:
     """Fold every foldable norm into its consumers and swap every norm for a fused module, in place.
@@ -99,28 +125,31 @@ def convert(
             final norm can fold into it; with False such sites are swapped only and storage stays shared.
         swap: replace norms by fused modules.
         input_ids: ids for the trace (see ``inspect``).
-        traced: a ``normswap.walk.walk(model, input_ids)`` of this model taken just before (so a caller that
+        example_inputs: the trace's inputs for a forward that does not take ``input_ids`` (see ``inspect``);
+            also used for the untie proof and the centering record.
+        traced: a ``normswap.walk.walk(model, inputs)`` of this model taken just before (so a caller that
             needed the sites first, e.g. to record a reference, does not trace twice); walked here if None.
 
     Returns:
         A ``ConvertReport``.
 
     Raises:
-        ValueError: unknown ``norm``.
+        ValueError: unknown ``norm``, or both ``input_ids`` and ``example_inputs``.
         NormswapError: the model has no norm.
         normswap.center.CenteringError: ``norm="rmsnorm"`` on a model that cannot be converted exactly (the
             model is left unchanged).
     """
     if norm not in NORM_CHOICES:
         raise ValueError(f"norm must be one of {NORM_CHOICES}, got {norm!r}")
-    result = traced if traced is not None else walk(model, input_ids)
+    inputs = trace_inputs(input_ids, example_inputs)
+    result = traced if traced is not None else walk(model, inputs)
     if not result.sites:
         raise NormswapError(f"{_model_name(model)}: no normalization module found")
     centering = None
     if norm == "rmsnorm":
         from normswap.center import center
 
-        centering = center(model, result, input_ids, untie=untie, add_biases=fold)
+        centering = center(model, result, inputs, untie=untie, add_biases=fold)
     report = ConvertReport(
         model=_model_name(model), norm=norm, norms_found=len(result.sites), norms_folded=0, norms_swapped=0,
         sites=result.sites, untouched=result.untouched,
@@ -130,7 +159,7 @@ def convert(
         if folding.untie_bytes:
             log.info("untying %s costs %d extra bytes", ", ".join(f"{m}.{a}" for m, a in folding.untie),
                      folding.untie_bytes)  # fmt: skip
-        report.untied = untie_checked(model, folding, input_ids).names
+        report.untied = untie_checked(model, folding, inputs).names
         report.untie_bytes = folding.untie_bytes
         for site in folding.sites:
             fold_site(model, site)

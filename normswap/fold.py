@@ -154,20 +154,21 @@ def untie_config(model: nn.Module) -> list[object]:
 
 
 @torch.no_grad()
-def untie_checked(model: nn.Module, folding: FoldPlan, input_ids: torch.Tensor | None = None) -> Untied:
+def untie_checked(model: nn.Module, folding: FoldPlan, inputs=None) -> Untied:
     """Untie what ``folding`` needs, after proving on one short forward that untying alone changes nothing.
 
     Some models read ``tie_word_embeddings`` while running (T5-style decoders rescale their output when it is
-    True), so flipping the flag can change the function even before any fold. When the outputs differ, the
+    True), so flipping the flag can change the function even before any fold. ``inputs``: the walk's
+    inputs (``normswap.walk.example_inputs``). When the outputs differ, the
     untie is undone and the sites that needed it are dropped from ``folding`` with that reason.
     """
     if not folding.untie:
         return Untied()
     from normswap.walk import run_example
 
-    before = run_example(model, input_ids)
+    before = run_example(model, inputs)
     untied = untie_parameters(model, folding.untie)
-    if not untied._configs or _same(before, run_example(model, input_ids)):
+    if not untied._configs or _same(before, run_example(model, inputs)):
         return untied
     untied.restore()
     reason = "the model reads tie_word_embeddings while running; untying its lm_head would change its outputs"

@@ -52,6 +52,9 @@ class NormSite:
         consumers: the linear ops that read this norm's output.
         foldable: whether the affine parameters can be folded into ``consumers`` exactly.
         folded: whether convert folded them (the norm then holds its identity parameters).
+        swappable: False for a module that is not a plain norm although it probes as one on its own (called
+            with a gate or another input): it is listed but left in place.
+        swapped: whether convert replaced the module by a fused one.
         reason: why the norm is not foldable or was not folded, ``None`` otherwise.
     """
 
@@ -67,6 +70,7 @@ class NormSite:
     consumers: list[Consumer] = field(default_factory=list)
     foldable: bool = False
     folded: bool = False
+    swappable: bool = True
     swapped: bool = False
     reason: str | None = None
 

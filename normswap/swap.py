@@ -46,7 +46,7 @@ def fused_module(site: NormSite, original: nn.Module | None = None) -> nn.Module
 
 
 def swap_norms(model: nn.Module, sites: list[NormSite]) -> int:
-    """Install a fused module at every site, in place; returns how many were swapped.
+    """Install a fused module at every swappable site, in place; returns how many were swapped.
 
     Args:
         model: the model whose modules are named by ``site.name``.
@@ -57,6 +57,8 @@ def swap_norms(model: nn.Module, sites: list[NormSite]) -> int:
     """
     count = 0
     for site in sites:
+        if not site.swappable:  # listed, but not a plain norm (``NormSite.swappable``): left in place
+            continue
         parent_name, _, attr = site.name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         original = getattr(parent, attr)

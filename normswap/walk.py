@@ -104,6 +104,18 @@ class SourceCall:
     module: str
     input_shape: tuple[int, ...]
     uses: list[Use] = field(default_factory=list)
+    extra: str | None = None  # the other inputs of a call that was not a one-input call, described
+
+
+def _other_inputs(args: tuple, kwargs: dict, x: torch.Tensor) -> str | None:
+    """Describe the inputs of a module call other than its one tensor ``x``, or None when there are none.
+
+    Keyword arguments that are None do not count (``norm(x, gate=None)`` is a one-input call); any other
+    argument, tensor or not, might change what the module computes, and the probe calls it on ``x`` alone.
+    """
+    others = [f"positional argument {i}" for i, a in enumerate(args) if a is not x]
+    others += [f"{k}=" for k, v in kwargs.items() if v is not None and v is not x]
+    return ", ".join(others) if others else None
 
 
 @dataclass
@@ -150,16 +162,13 @@ class _Tracer(TorchFunctionMode):
         self.results: dict[int, list[Consumer]] = {}  # id(op output) -> consumers that produced it
         self.module_of_call: list[nn.Module] = []
         self.called: set[int] = set()  # id of every module the forward ran
-        self.first_args: dict[int, tuple] = {}  # id(module) -> positional args of its first call, if tagged
+        self.first_args: dict[int, tuple] = {}  # id(module) -> (args, kwargs) of its first call, if tagged
+        self.finished: set[int] = set()  # id of every module whose first call has returned
 
     # -- module hooks -------------------------------------------------------------------------------------
     def pre_hook(self, module, args):
         self.stack.append(self.names.get(id(module), type(module).__name__))
-        if id(module) not in self.called:
-            self.called.add(id(module))
-            # inputs carrying a norm's output are kept for replay_idle_siblings (already alive: self.keep)
-            if any(isinstance(a, torch.Tensor) and id(a) in self.tags for a in tree_flatten(args)[0]):
-                self.first_args[id(module)] = args
+        self.called.add(id(module))
 
     def replay_idle_siblings(self, model: nn.Module) -> None:
         """Run, once, every module the forward never called whose sibling (same parent, same class, same
@@ -184,22 +193,29 @@ class _Tracer(TorchFunctionMode):
                 )  # fmt: skip
                 if twin is None:
                     continue
-                args = self.first_args[id(twin)]
+                args, kwargs = self.first_args[id(twin)]
                 saved = list(self.stack)
                 try:
-                    child(*args)
+                    child(*args, **kwargs)
                 except Exception:  # noqa: BLE001 - a sibling that cannot be replayed stays "untouched"
                     pass
                 self.stack = saved
 
-    def post_hook(self, module, args, output):
+    def post_hook(self, module, args, kwargs, output):
         if self.stack:
             self.stack.pop()
+        if id(module) not in self.finished:
+            self.finished.add(id(module))
+            # inputs carrying a norm's output are kept for replay_idle_siblings (already alive: self.keep)
+            flat = tree_flatten((args, kwargs))[0]
+            if any(isinstance(a, torch.Tensor) and id(a) in self.tags for a in flat):
+                self.first_args[id(module)] = (args, kwargs)
         if id(module) not in self.names or self.names[id(module)] == "":
             return
-        if len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
+        leaves = [*args, *kwargs.values()]
+        x = next((a for a in leaves if isinstance(a, torch.Tensor)), None)
+        if x is None or not isinstance(output, torch.Tensor):
             return
-        x = args[0]
         if not x.is_floating_point() or output.shape != x.shape or x.ndim < 1:
             return
         if not is_candidate(module, tuple(x.shape)):
@@ -210,6 +226,11 @@ class _Tracer(TorchFunctionMode):
             self.call_of[id(module)] = index
             self.calls.append(SourceCall(self.names[id(module)], tuple(x.shape)))
             self.module_of_call.append(module)
+        extra = _other_inputs(args, kwargs, x)
+        if extra is not None:  # a gated norm, a norm given its residual: not a one-input map
+            where = f" by {self._module()}" if self._module() else ""
+            self.calls[index].extra = self.calls[index].extra or f"{extra}{where}"
+            return
         self._tag(output, _Tag(index, dimmap.identity(output.ndim), output.ndim))
 
     # -- tagging ------------------------------------------------------------------------------------------
@@ -448,9 +469,53 @@ class _Tracer(TorchFunctionMode):
         return owners[0][0] if owners else param.rsplit(".", 1)[0]
 
 
-def example_inputs(model: nn.Module, input_ids: torch.Tensor | None = None) -> dict:
-    """The keyword inputs of the walk's forward: ``input_ids`` (default 2 x 16 fixed random ids), the
-    decoder's ids for an encoder-decoder, and ``use_cache=False`` where the forward takes it."""
+@dataclass(frozen=True)
+class ExampleInputs:
+    """Positional and keyword inputs of one forward, ``model(*args, **kwargs)``, as ``torch.export`` takes.
+
+    Build one with ``ExampleInputs.of(value)``, which accepts ``(args_tuple, kwargs_dict)``, a tuple of
+    positional arguments, a dict of keyword arguments or a single tensor (one positional argument).
+    """
+
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, value) -> ExampleInputs:
+        """Normalize ``value`` (see the class docstring) to ``ExampleInputs``.
+
+        Raises:
+            TypeError: ``value`` is none of the accepted forms.
+        """
+        if isinstance(value, ExampleInputs):
+            return value
+        if isinstance(value, torch.Tensor):
+            return cls((value,), {})
+        if isinstance(value, dict):
+            return cls((), dict(value))
+        if isinstance(value, tuple | list):
+            if len(value) == 2 and isinstance(value[0], tuple | list) and isinstance(value[1], dict):
+                return cls(tuple(value[0]), dict(value[1]))
+            return cls(tuple(value), {})
+        raise TypeError(
+            f"example_inputs must be (args, kwargs), a tuple of args, a dict of kwargs or a tensor, "
+            f"got {type(value).__name__}"
+        )
+
+
+Inputs = torch.Tensor | ExampleInputs | None  # input_ids, explicit example inputs, or the default ids
+
+
+def example_inputs(model: nn.Module, inputs: Inputs = None) -> ExampleInputs:
+    """The inputs of the walk's forward.
+
+    Explicit ``ExampleInputs`` are used exactly as given. Otherwise the model is called with keyword
+    ``input_ids`` (``inputs`` when it is a tensor, else 2 x 16 fixed random ids below the vocabulary size),
+    the decoder's ids for an encoder-decoder, and ``use_cache=False`` where the forward takes it.
+    """
+    if isinstance(inputs, ExampleInputs):
+        return inputs
+    input_ids = inputs
     config = getattr(model, "config", None)
     if input_ids is None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -461,41 +526,42 @@ def example_inputs(model: nn.Module, input_ids: torch.Tensor | None = None) -> d
         device = next(model.parameters()).device
     except StopIteration:
         device = torch.device("cpu")
-    inputs = {"input_ids": input_ids.to(device)}
+    kwargs = {"input_ids": input_ids.to(device)}
     if _accepts(model, "use_cache"):
-        inputs["use_cache"] = False
+        kwargs["use_cache"] = False
     if getattr(config, "is_encoder_decoder", False):
-        inputs["decoder_input_ids"] = inputs["input_ids"]
-    return inputs
+        kwargs["decoder_input_ids"] = kwargs["input_ids"]
+    return ExampleInputs((), kwargs)
 
 
 @torch.no_grad()
-def run_example(model: nn.Module, input_ids: torch.Tensor | None = None):
+def run_example(model: nn.Module, inputs: Inputs = None):
     """One plain forward (eval mode, no grad) on ``example_inputs``; the model's modes are restored."""
+    example = example_inputs(model, inputs)
     modes = {m: m.training for m in model.modules()}
     for m in modes:
         m.training = False
     try:
-        return model(**example_inputs(model, input_ids))
+        return model(*example.args, **example.kwargs)
     finally:
         for m, mode in modes.items():
             m.training = mode
 
 
-def trace(model: nn.Module, input_ids: torch.Tensor | None = None) -> tuple[_Tracer, object]:
+def trace(model: nn.Module, inputs: Inputs = None) -> tuple[_Tracer, object]:
     """Run one forward of ``model`` under the tracer and return it with the model's output."""
-    inputs = example_inputs(model, input_ids)
+    example = example_inputs(model, inputs)
     tracer = _Tracer(model)
     modes = {m: m.training for m in model.modules()}
     for m in modes:
         m.training = False  # eval mode without calling train()/eval(), which a model may override
     handles = [
         nn.modules.module.register_module_forward_pre_hook(tracer.pre_hook),
-        nn.modules.module.register_module_forward_hook(tracer.post_hook),
+        nn.modules.module.register_module_forward_hook(tracer.post_hook, with_kwargs=True),
     ]
     try:
         with torch.no_grad(), tracer:
-            output = model(**inputs)
+            output = model(*example.args, **example.kwargs)
             tracer.replay_idle_siblings(model)
     finally:
         for h in handles:
@@ -511,13 +577,13 @@ def _accepts(model: nn.Module, keyword: str) -> bool:
     return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def walk(model: nn.Module, input_ids: torch.Tensor | None = None) -> Walk:
+def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
     """Find the norms of ``model`` and what consumes each one's output.
 
     Args:
-        model: any ``nn.Module`` whose forward takes ``input_ids`` (Hugging Face models); left exactly as it
-            was (parameters, modes, hooks).
-        input_ids: ``(batch, seq)`` int64 token ids for the trace; default 2 x 16 random ids, fixed seed.
+        model: any ``nn.Module``; left exactly as it was (parameters, modes, hooks).
+        inputs: the trace's inputs: ``(batch, seq)`` int64 ``input_ids`` (a tensor), ``ExampleInputs`` for
+            a forward that takes other arguments, or None for 2 x 16 random ids (fixed seed).
 
     Returns:
         A ``Walk`` with one ``NormSite`` per norm module, in the order the forward first called them.
@@ -525,7 +591,7 @@ def walk(model: nn.Module, input_ids: torch.Tensor | None = None) -> Walk:
     Raises:
         Whatever the model's forward raises on the example inputs.
     """
-    tracer, output = trace(model, input_ids)
+    tracer, output = trace(model, inputs)
     flat, _ = tree_flatten(output if not hasattr(output, "to_tuple") else output.to_tuple())
     for t in flat:
         if isinstance(t, torch.Tensor) and id(t) in tracer.tags:
@@ -600,6 +666,9 @@ def _sites(tracer: _Tracer) -> list[NormSite]:
 
 
 def _foldability(site: NormSite, call: SourceCall, reasons: list[str]) -> tuple[bool, str | None]:
+    if call.extra:
+        site.swappable = False
+        return False, f"called with another input ({call.extra}): not a one-input norm, left in place"
     if reasons:
         return False, f"output {reasons[0]}"
     if site.weight is None and site.bias is None:

@@ -32,7 +32,6 @@ Nothing here reads class or parameter names. The steps, one module each:
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from normswap.center.biased import BiasedRMSNorm
@@ -47,7 +46,7 @@ __all__ = ["BiasedRMSNorm", "CenterResult", "CenteringError", "center", "plan_ce
 def center(
     model: nn.Module,
     walk: Walk,
-    input_ids: torch.Tensor | None = None,
+    inputs=None,
     *,
     untie: bool = True,
     add_biases: bool = True,
@@ -61,9 +60,9 @@ def center(
     left alone (``result.note``).
 
     Args:
-        model: a Hugging Face model (any module whose forward takes ``input_ids``), float parameters.
-        walk: ``normswap.walk.walk(model, input_ids)`` of the same model, not yet folded.
-        input_ids: ``(batch, seq)`` int64 ids for the recording forward; default as ``walk``.
+        model: any module with float parameters.
+        walk: ``normswap.walk.walk(model, inputs)`` of the same model, not yet folded.
+        inputs: the recording forward's inputs (as ``walk``: ids, ``walk.ExampleInputs`` or None).
         untie: allow giving a holder of a written parameter (``lm_head`` tied to the embedding) its own
             copy; with False such a model is refused.
         add_biases: allow setting config flags that add zero biases to consumers.
@@ -76,7 +75,7 @@ def center(
             non-linear producer, a stream also read by an RMSNorm or returned, untying disabled); the
             model is unchanged. Any other error before the commit also leaves it unchanged.
     """
-    plan = plan_centering(model, walk, input_ids, untie=untie, add_biases=add_biases)
+    plan = plan_centering(model, walk, inputs, untie=untie, add_biases=add_biases)
     if plan.result.note is None:
         commit(model, walk, plan, prepare(model, plan))
     return plan.result

@@ -76,7 +76,7 @@ class Plan:
 def plan_centering(
     model: nn.Module,
     walk: Walk,
-    input_ids: torch.Tensor | None = None,
+    inputs=None,
     *,
     untie: bool = True,
     add_biases: bool = True,
@@ -94,7 +94,7 @@ def plan_centering(
     if not layer:
         result.note = "no LayerNorm: nothing to center (centering an RMSNorm model would change it)"
         return Plan(result, {}, {}, [], [], [], {})
-    rec = record(model, [s.name for s in walk.sites], input_ids)
+    rec = record(model, [s.name for s in walk.sites], inputs)
     finder = Writers(rec, {s.name: s.kind for s in walk.sites})
     cone: set[Key] = set()
     writes: dict[Key, list[Write]] = defaultdict(list)

@@ -153,13 +153,13 @@ def _mutates(name: str) -> bool:
     )
 
 
-def record(model: nn.Module, site_names: list[str], input_ids: torch.Tensor | None) -> Recorder:
+def record(model: nn.Module, site_names: list[str], inputs=None) -> Recorder:
     """Run ``walk.run_example`` (eval mode, no grad) under a ``Recorder`` hooked on every module.
 
     Args:
         model: the model; its modes are restored and the hooks removed afterwards.
         site_names: module names of the norms (each recorded as one node).
-        input_ids: ``(batch, seq)`` int64 ids, or None for the walk's default.
+        inputs: the walk's inputs (ids, ``walk.ExampleInputs``), or None for the walk's default.
 
     Returns:
         The recorder, with every tensor of the model's output marked as used by ``("output", None)``.
@@ -171,7 +171,7 @@ def record(model: nn.Module, site_names: list[str], input_ids: torch.Tensor | No
     ]
     try:
         with recorder:
-            output = run_example(model, input_ids)
+            output = run_example(model, inputs)
     finally:
         for h in handles:
             h.remove()

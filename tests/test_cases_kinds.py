@@ -1,0 +1,172 @@
+"""Field cases C9, C11, C12, C16, C17 (../shared/cases/README.md), each as a test with its right value.
+
+Tolerance: max abs logit difference < 1e-5 in float32 (correct folds measure ~1e-7 here; the faults these
+cases come from were off by 0.27 or more). Models are tiny (README's "tiny config") and their norm weights are
+re-randomized by class (base +- 0.5), not through normswap, so a norm normswap misses still carries a
+non-identity weight.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import normswap
+
+TOL = 1e-5
+
+
+def _randomize(model: nn.Module, classes: tuple[type, ...], seed: int = 1) -> None:
+    """Every parameter of each module of ``classes``: 1 + U(-0.5, 0.5) for scales, U(-0.5, 0.5) for biases."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, classes):
+                for name, p in module.named_parameters(recurse=False):
+                    base = 0.0 if "bias" in name or "beta" in name else 1.0
+                    noise = torch.rand(p.shape, generator=gen, dtype=torch.float64) - 0.5
+                    p.copy_((base + noise).to(p.dtype))
+
+
+def _ids(vocab: int = 128, seed: int = 5) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+# -- C16: a model whose forward does not take input_ids -----------------------------------------------------
+
+
+class Gain(nn.Module):
+    """An RMSNorm nothing names a norm: parameter ``gain``."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.gain
+
+
+class Alpha(nn.Module):
+    """A bias-free LayerNorm nothing names a norm: parameter ``alpha``."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        x = x - x.mean(-1, keepdim=True)
+        return self.alpha * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+class IdsLM(nn.Module):
+    """``forward(self, ids)``: embedding -> residual MLP block behind ``Gain`` -> ``Alpha`` -> head."""
+
+    def __init__(self, vocab: int = 128, d: int = 64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pre, self.up, self.down = Gain(d), nn.Linear(d, 128), nn.Linear(128, d)
+        self.last, self.head = Alpha(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.down(F.gelu(self.up(self.pre(h))))
+        return self.head(self.last(h))
+
+
+def _ids_lm() -> IdsLM:
+    torch.manual_seed(0)
+    model = IdsLM().eval()
+    _randomize(model, (Gain, Alpha))
+    return model
+
+
+def test_c16_example_inputs_positional():
+    model = _ids_lm()
+    reference = copy.deepcopy(model)
+    ids = _ids()
+    sites = normswap.inspect(model, example_inputs=((ids,), {}))
+    found = [(s.name, s.weight, s.kind) for s in sites]
+    assert found == [("pre", "gain", "rmsnorm"), ("last", "alpha", "layernorm")]
+    assert all(s.foldable for s in sites)
+    report = normswap.convert(model, example_inputs=(ids,))  # a tuple of positional args works too
+    assert report.norms_found == report.norms_folded == report.norms_swapped == 2
+    other = _ids(seed=9)  # ids the conversion never traced with
+    with torch.no_grad():
+        assert (reference(other) - model(other)).abs().max().item() < TOL
+
+
+def test_c16_example_inputs_keyword_and_input_ids_exclusive():
+    model = _ids_lm()
+    ids = _ids()
+    assert len(normswap.inspect(model, example_inputs={"ids": ids})) == 2
+    with pytest.raises(ValueError, match="either input_ids or example_inputs"):
+        normswap.inspect(model, ids, example_inputs={"ids": ids})
+
+
+# -- C12: a gated RMSNorm called with its gate by keyword ---------------------------------------------------
+
+
+class GatedBlock(nn.Module):
+    """``h + out(gated(y, gate=z))`` with ``y, z = in(norm(h))``: a gated norm between two linears."""
+
+    def __init__(self, keyword: bool, d: int = 64, inner: int = 128):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+        super().__init__()
+        self.keyword = keyword
+        self.norm = LlamaRMSNorm(d)
+        self.in_proj = nn.Linear(d, 2 * inner)
+        self.gated = MambaRMSNormGated(inner, group_size=inner)
+        self.out_proj = nn.Linear(inner, d)
+
+    def forward(self, h):
+        y, z = self.in_proj(self.norm(h)).chunk(2, dim=-1)
+        y = self.gated(y, gate=z) if self.keyword else self.gated(y, z)
+        return h + self.out_proj(y)
+
+
+class GatedLM(nn.Module):
+    def __init__(self, keyword: bool, vocab: int = 128, d: int = 64):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([GatedBlock(keyword), GatedBlock(keyword)])
+        self.norm = LlamaRMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids, **_):
+        h = self.emb(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+@pytest.mark.parametrize("keyword", [True, False], ids=["gate=z", "positional"])
+def test_c12_gated_norm_is_left_in_place(keyword):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+    torch.manual_seed(0)
+    model = GatedLM(keyword).eval()
+    _randomize(model, (LlamaRMSNorm, MambaRMSNormGated))
+    reference = copy.deepcopy(model)
+    report = normswap.convert(model)
+    sites = {s.name: s for s in report.sites}
+    for i in range(2):
+        gated = sites[f"blocks.{i}.gated"]
+        assert not gated.foldable and not gated.folded and not gated.swapped and not gated.swappable
+        assert gated.reason.startswith("called with another input (")
+        assert f"by blocks.{i}" in gated.reason and ("gate=" in gated.reason) == keyword
+        assert type(model.blocks[i].gated) is MambaRMSNormGated  # still applies the gate
+        assert sites[f"blocks.{i}.norm"].folded
+    assert sites["norm"].folded
+    assert report.norms_found == 5 and report.norms_swapped == report.norms_folded == 3
+    ids = _ids(seed=9)
+    with torch.no_grad():
+        assert (reference(ids) - model(ids)).abs().max().item() < TOL
