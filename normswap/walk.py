@@ -60,6 +60,13 @@ _DONOR_OPS = {"type_as", "to", "view_as", "reshape_as", "expand_as"}
 _MATMUL_OPS = {"matmul", "__matmul__", "mm", "bmm"}
 
 
+def _quantized(stored: torch.dtype, used: torch.dtype) -> bool:
+    """Whether a weight stored as ``stored`` and reaching a linear op as ``used`` is dequantized in the
+    forward (an integer weight, or a float weight of fewer bits upcast): its storage cannot hold a fold's
+    result without re-rounding it."""
+    return not stored.is_floating_point or stored.itemsize < used.itemsize
+
+
 def _func_name(func) -> str:
     name = getattr(func, "__name__", None) or type(func).__name__
     if name == "__get__":  # a Tensor property: Tensor.T, Tensor.shape, ...
@@ -415,6 +422,15 @@ class _Tracer(TorchFunctionMode):
                 base_axis = ref.dims[w_axis] if w_axis < len(ref.dims) else None
                 if tag.feature_axis() != act_axis or base_axis is None:
                     self._nonlinear([tag], name, f"feeds {name} along another axis in {self._module()}")
+                    continue
+                stored = self.params[ref.param].dtype
+                if _quantized(stored, weight.dtype):
+                    module = self._consumer_module(ref.param)
+                    self._nonlinear([tag], name, (
+                        f"feeds the quantized consumer {module} (weight {ref.param} stored as "
+                        f"{str(stored).removeprefix('torch.')}, used as {str(weight.dtype).removeprefix('torch.')})"
+                        ": a fold would re-round it"
+                    ))  # fmt: skip
                     continue
                 bias_ref = self.pref.get(id(bias)) if isinstance(bias, torch.Tensor) else None
                 consumer = Consumer(

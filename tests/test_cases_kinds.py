@@ -170,3 +170,68 @@ def test_c12_gated_norm_is_left_in_place(keyword):
     ids = _ids(seed=9)
     with torch.no_grad():
         assert (reference(ids) - model(ids)).abs().max().item() < TOL
+
+
+# -- C9: a consumer whose weight is stored quantized --------------------------------------------------------
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear: an int8 weight and a 0-dim float scale, dequantized in the forward."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach()
+        scale = w.abs().max() / 127
+        self.weight = nn.Parameter(torch.round(w / scale).to(torch.int8), requires_grad=False)
+        self.scale = nn.Parameter(scale.clone())
+        self.bias = linear.bias
+
+    def forward(self, x):
+        return F.linear(x, self.weight.to(x.dtype) * self.scale, self.bias)
+
+
+def _llama(**overrides):
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from normswap.zoo import tiny_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config("llama", tie_word_embeddings=False, **overrides)).eval()
+    _randomize(model, (LlamaRMSNorm,))
+    return model
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def test_c9_quantized_consumers_are_not_folded():
+    model = _llama()
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, Int8Linear(child))
+    reference = copy.deepcopy(model)
+    report = normswap.convert(model)
+    sites = {s.name: s for s in report.sites}
+    assert len(sites) == 5 and report.norms_swapped == 5
+    for i in range(2):
+        for norm, consumer in (
+            ("input_layernorm", "self_attn.q_proj"),
+            ("post_attention_layernorm", "mlp.gate_proj"),
+        ):
+            site = sites[f"model.layers.{i}.{norm}"]
+            assert not site.foldable and not site.folded and site.swapped
+            assert site.reason == (
+                f"output feeds the quantized consumer model.layers.{i}.{consumer} (weight "
+                f"model.layers.{i}.{consumer}.weight stored as int8, used as float32): a fold would re-round it"
+            )
+    assert sites["model.norm"].folded  # lm_head is a float32 linear: folding into it is exact
+    for (name, before), after in zip(reference.named_parameters(), model.parameters(), strict=True):
+        if before.dtype == torch.int8:
+            assert torch.equal(before, after), name  # no int8 weight touched (a fold wrapped 190 to -66)
+    ids = _ids(seed=9)
+    assert (_logits(reference, ids) - _logits(model, ids)).abs().max().item() < TOL
