@@ -426,10 +426,10 @@ class _Tracer(TorchFunctionMode):
                 stored = self.params[ref.param].dtype
                 if _quantized(stored, weight.dtype):
                     module = self._consumer_module(ref.param)
+                    used = str(weight.dtype).removeprefix("torch.")
                     self._nonlinear([tag], name, (
                         f"feeds the quantized consumer {module} (weight {ref.param} stored as "
-                        f"{str(stored).removeprefix('torch.')}, used as {str(weight.dtype).removeprefix('torch.')})"
-                        ": a fold would re-round it"
+                        f"{str(stored).removeprefix('torch.')}, used as {used}): a fold would re-round it"
                     ))  # fmt: skip
                     continue
                 bias_ref = self.pref.get(id(bias)) if isinstance(bias, torch.Tensor) else None

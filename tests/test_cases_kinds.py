@@ -227,7 +227,8 @@ def test_c9_quantized_consumers_are_not_folded():
             assert not site.foldable and not site.folded and site.swapped
             assert site.reason == (
                 f"output feeds the quantized consumer model.layers.{i}.{consumer} (weight "
-                f"model.layers.{i}.{consumer}.weight stored as int8, used as float32): a fold would re-round it"
+                f"model.layers.{i}.{consumer}.weight stored as int8, used as float32): a fold would "
+                "re-round it"
             )
     assert sites["model.norm"].folded  # lm_head is a float32 linear: folding into it is exact
     for (name, before), after in zip(reference.named_parameters(), model.parameters(), strict=True):
