@@ -41,6 +41,9 @@ class FoldPlan:
 def plan(model: nn.Module, walk: Walk, untie: bool = True) -> FoldPlan:
     """Decide which foldable sites fold, and what must be untied; marks blocked sites with their reason.
 
+    A site whose folded consumer weights (or biases) would not fit their dtype is blocked here, before
+    anything is written (``unrepresentable``), so a refused fold never leaves an inf in the model.
+
     A consumer weight may be used by nothing but this site's consumer ops. If it is shared with another use
     (for example the input embedding tied to ``lm_head``), the consumer module gets its own copy when
     ``untie`` is true and the weight is held by several module attributes; otherwise the site is not folded.
@@ -74,6 +77,7 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True) -> FoldPlan:
                     to_untie.append(owner)
             if blocked:
                 break
+        blocked = blocked or unrepresentable(model, site)
         if blocked:
             site.foldable, site.reason = False, blocked
             continue
@@ -207,6 +211,54 @@ def _blocks(weight: torch.Tensor, axis: int):
     step = max(1, _CHUNK // max(1, weight.numel() // weight.shape[dim]))
     for start in range(0, weight.shape[dim], step):
         yield dim, start, min(step, weight.shape[dim] - start)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@torch.no_grad()
+def unrepresentable(model: nn.Module, site: NormSite) -> str | None:
+    """Why folding ``site`` would store a value its consumers' dtypes cannot hold, or None when it can.
+
+    Computes every folded weight (and bias) exactly as ``fold_site`` will, in float64 blocks, without
+    writing anything: a consumer weight that is not a float (an integer weight dequantized in the forward)
+    cannot take a fold at all, and a folded value beyond the dtype's finite range (``finfo.max``: 65504 for
+    float16) would be stored as inf. Values that were already not finite before the fold are not counted.
+    """
+    norm = model.get_submodule(site.name)
+    scale, shift = scale_and_shift(site, norm)
+    seen: set[tuple[str, int]] = set()
+    for c in site.consumers:
+        if (c.param, c.axis) in seen:
+            continue
+        seen.add((c.param, c.axis))
+        weight = model.get_parameter(c.param)
+        if not weight.is_floating_point():
+            return (
+                f"consumer weight {c.param} is stored as {_dtype_name(weight.dtype)}: a fold cannot be stored"
+            )
+        shape = [1] * weight.ndim
+        shape[c.axis] = -1
+        parts = [
+            (c.param, weight.narrow(dim, start, length), scale.reshape(shape), None)
+            for dim, start, length in _blocks(weight, c.axis)
+        ]
+        if shift is not None and c.bias is not None:
+            bias = model.get_parameter(c.bias)
+            delta = torch.tensordot(weight.detach().double(), shift, dims=([c.axis], [0]))
+            if delta.shape == bias.shape:
+                parts.append((c.bias, bias, None, delta))
+        for name, before, factor, add in parts:
+            after = before.double() * factor if factor is not None else before.double() + add
+            limit = torch.finfo(before.dtype).max
+            bad = (~torch.isfinite(after) | (after.abs() > limit)) & torch.isfinite(before)
+            if bool(bad.any()):
+                peak = after[bad].abs().max().item()
+                return (
+                    f"fold overflows {_dtype_name(before.dtype)} ({name} would need {peak:.3g} > {limit:.6g})"
+                )
+    return None
 
 
 @torch.no_grad()

@@ -236,3 +236,50 @@ def test_c9_quantized_consumers_are_not_folded():
             assert torch.equal(before, after), name  # no int8 weight touched (a fold wrapped 190 to -66)
     ids = _ids(seed=9)
     assert (_logits(reference, ids) - _logits(model, ids)).abs().max().item() < TOL
+
+
+# -- C11: a fold whose result does not fit the weight's dtype -----------------------------------------------
+
+
+def _quiet_channel_llama(j: int = 5) -> nn.Module:
+    """float16 Llama (vocab 260) whose residual channel ``j`` is quiet (embedding column ~1e-6, nothing
+    writes into it) and amplified by the final norm (weight 2000) into lm_head[:, j] in [-60, 60]."""
+    model = _llama(vocab_size=260)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, j] = (torch.rand(emb.shape[0], generator=gen) - 0.5) * 2e-6
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[j] = 0
+            layer.mlp.down_proj.weight[j] = 0
+        model.model.norm.weight[j] = 2000.0
+        model.lm_head.weight[:, j] = (torch.rand(260, generator=gen) - 0.5) * 120
+    return model.half()
+
+
+def test_c11_fold_that_overflows_float16_is_refused(tmp_path):
+    from safetensors.torch import load_file
+
+    from normswap.check import compare, reference_outputs
+    from normswap.io import save_converted
+
+    model = _quiet_channel_llama()
+    ids = _ids(vocab=260, seed=9)
+    original = _logits(model, ids)
+    assert torch.isfinite(original).all() and original.abs().max() < 20
+    lm_head = model.lm_head.weight.detach().clone()
+    reference = reference_outputs(model, ids)
+    report = normswap.convert(model)
+    sites = {s.name: s for s in report.sites}
+    final = sites["model.norm"]
+    assert not final.foldable and not final.folded and final.swapped
+    assert final.reason.startswith("fold overflows float16 (lm_head.weight would need 1.")
+    assert final.reason.endswith("e+05 > 65504)")
+    assert all(s.folded for n, s in sites.items() if n != "model.norm")  # the rest still folds
+    assert torch.equal(model.lm_head.weight, lm_head)  # nothing written into the refused consumer
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    result = compare(reference, model, ids)
+    assert result.passed, result.failures
+    out = save_converted(model, None, report.to_dict(), tmp_path / "out")
+    saved = load_file(out / "model.safetensors")
+    assert saved and all(torch.isfinite(t).all() for t in saved.values())
