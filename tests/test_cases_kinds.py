@@ -283,3 +283,30 @@ def test_c11_fold_that_overflows_float16_is_refused(tmp_path):
     out = save_converted(model, None, report.to_dict(), tmp_path / "out")
     saved = load_file(out / "model.safetensors")
     assert saved and all(torch.isfinite(t).all() for t in saved.values())
+
+
+# -- C17: LayerNorm to RMSNorm through a mixture of experts -------------------------------------------------
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager", "batched_mm"])
+def test_c17_centering_through_routed_experts(experts):
+    """The routed sum of expert outputs (``sum`` of weighted rows, ``index_add_`` into zeros, or
+    ``bmm(W, x)`` per token) is a sum of linear writes: each expert's down projection is centered."""
+    from transformers import AutoModelForCausalLM
+
+    from normswap.zoo import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config("phimoe", num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation=experts).float().eval()
+    _randomize(model, (nn.LayerNorm,))
+    reference = copy.deepcopy(model)
+    down = model.model.layers[0].mlp.experts.down_proj  # (experts, hidden, intermediate)
+    report = normswap.convert(model, norm="rmsnorm")
+    assert report.norms_found == report.norms_swapped == 5
+    assert all(s.kind == "rmsnorm" for s in report.sites)
+    assert not any(isinstance(m, nn.LayerNorm) for m in model.modules())
+    centered = model.model.layers[0].mlp.experts.down_proj
+    assert centered is down and centered.double().mean(1).abs().max() < 1e-7  # each expert's rows centered
+    ids = _ids(seed=9)
+    assert (_logits(reference, ids) - _logits(model, ids)).abs().max().item() < TOL

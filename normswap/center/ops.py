@@ -4,6 +4,10 @@
   for centering when the factor is constant along the feature axis (``C (a x) = a C x``); ``LINEAR``: the
   ops that write ``W h + c`` into a stream; ``PASS``: value-preserving ops (views, reshapes, transposes,
   slices, casts, dropout in eval) through which a written tensor is followed unchanged.
+* ``ROWSUM``: sums of whole rows along an axis other than the features (``x.sum(dim=1)`` over the routed
+  experts of a token, ``out.index_add_(0, token_idx, expert_out)``, ``scatter_add`` of whole rows):
+  each output row is a sum of input rows, so a sum of writes stays a sum of writes (``C`` acts on each row);
+  ``ZEROS``: a tensor of zeros (``torch.zeros_like(x)``, the start of such an accumulation) writes nothing.
 * ``derive_dims``: the dim map (``dimmap.py``) of a view of a parameter (``W.T``, ``W.view(...)``), so a
   write through it is traced to the parameter's own axis.
 * ``replay``: an op applied to a tensor of feature indices instead of values: where each feature of the
@@ -15,12 +19,14 @@ from __future__ import annotations
 import torch
 
 from normswap import dimmap
-from normswap.center.record import Node
+from normswap.center.record import ZEROS, Node  # noqa: F401 - ZEROS is part of ops
 
 ADD = {"add", "add_", "__add__", "__iadd__", "__radd__", "sub", "sub_", "__sub__", "__isub__", "__rsub__"}
 SCALE = {"mul", "mul_", "__mul__", "__imul__", "__rmul__", "div", "div_", "__truediv__", "__itruediv__",
          "neg", "__neg__"}  # fmt: skip
-LINEAR = {"linear", "matmul", "__matmul__", "mm", "addmm", "bmm"}
+LINEAR = {"linear", "matmul", "__matmul__", "mm", "addmm", "bmm", "_grouped_mm", "grouped_mm",
+          "grouped_mm_fallback"}  # fmt: skip
+ROWSUM = {"sum", "index_add", "index_add_", "scatter_add", "scatter_add_"}
 PASS = (dimmap.SAME_SHAPE | dimmap.RESHAPE | dimmap.TRANSPOSE | dimmap.SPLIT
         | {"__getitem__", "index_select", "expand", "expand_as", "narrow", "select"})  # fmt: skip
 
@@ -28,6 +34,34 @@ PASS = (dimmap.SAME_SHAPE | dimmap.RESHAPE | dimmap.TRANSPOSE | dimmap.SPLIT
 def arg(node: Node, pos: int, name: str, default=None):
     """The argument of ``node``'s call at position ``pos`` or keyword ``name``."""
     return node.args[pos] if len(node.args) > pos else node.kwargs.get(name, default)
+
+
+def rowsum_parts(node: Node) -> tuple[list, str | None]:
+    """The operand keys whose rows ``node`` (a ``ROWSUM`` op) sums, and why not when it mixes features.
+
+    Returns ``(keys, None)`` when every output row is a sum of whole input rows, else ``([], reason)``.
+    """
+    out_last = node.out.ndim - 1
+    if node.op == "sum":
+        src = node.args[0]
+        dims = arg(node, 1, "dim")
+        if dims is None or src.ndim == 0:
+            return [], "sums over every axis, features included"
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        if src.ndim - 1 in [d % src.ndim for d in dims]:
+            return [], "sums over the feature axis"
+        return [node.operands[0]], None
+    dim = arg(node, 1, "dim") % node.out.ndim
+    if dim == out_last:
+        return [], "accumulates along the feature axis"
+    if node.op.startswith("scatter_add"):
+        index = arg(node, 2, "index")
+        if index.shape[-1] != node.out.shape[-1] or not bool((index == index[..., :1]).all()):
+            return [], "scatters features to different rows"
+        source = node.operands.get(3, node.operands.get("src"))
+    else:
+        source = node.operands.get(3, node.operands.get("source"))
+    return [k for k in (node.operands.get(0, node.operands.get("input")), source) if k is not None], None
 
 
 def dropout_active(node: Node) -> bool:

@@ -134,8 +134,18 @@ def _propagate(finder: Writers, cone: set[Key], writes: dict[Key, list[Write]]):
         node = rec.nodes.get(k)
         if k in writes:
             t = node.out if node is not None else rec.tensors[writes[k][0].param]
-            index[k] = torch.arange(t.shape[-1]).expand(t.shape)
+            axis = writes[k][0].out_axis % t.ndim
+            index[k] = torch.arange(t.shape[axis]).reshape(-1, *[1] * (t.ndim - 1 - axis)).expand(t.shape)
             feeds[k] = frozenset([k])
+        elif node.op in ops.ZEROS:
+            index[k], feeds[k] = torch.arange(node.out.shape[-1]).expand(node.out.shape), frozenset()
+        elif node.op in ops.ROWSUM:
+            parts = [(index[o], feeds[o]) for o in ops.rowsum_parts(node)[0]]
+            row = parts[0][0].reshape(-1, parts[0][0].shape[-1])[0]
+            if any(not torch.equal(i, row.expand(i.shape)) for i, _ in parts):
+                why = f"{ops.where(node)} sums rows whose features are laid out differently"
+                raise refusal(finder.site_of(k), why)
+            index[k], feeds[k] = row.expand(node.out.shape), frozenset().union(*(f for _, f in parts))
         elif node.op in ops.ADD:
             parts = [(index[o], feeds[o]) for o in node.operands.values() if o in index]
             first = parts[0][0].expand(node.out.shape)

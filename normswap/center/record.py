@@ -113,6 +113,13 @@ class Recorder(TorchFunctionMode):
         if self.inside:
             return out
         name = func_name(func)
+        if name in ZEROS and isinstance(out, torch.Tensor):  # the start of an accumulation: no input read
+            self.count += 1
+            self.keep.append(out)
+            k = self.key(out)
+            self.nodes[k] = Node("zeros", func, (), {}, self.stack[-1] if self.stack else "", {}, out, None,
+                                 self.count, key=k)  # fmt: skip
+            return out
         if name in METADATA_OPS:
             return out
         operands = {i: self.key(a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
@@ -143,6 +150,9 @@ class Recorder(TorchFunctionMode):
         for k in input_keys:  # an op with no tensor result (x.tolist()) still reads its inputs
             self.uses[k].extend(made or [Node(name, func, (), {}, module, {}, None)])
         return out
+
+
+ZEROS = {"zeros", "zeros_like", "new_zeros"}  # recorded as a "zeros" node (``ops.ZEROS``)
 
 
 def _mutates(name: str) -> bool:

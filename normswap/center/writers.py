@@ -7,7 +7,12 @@ axis is what centering changes (``C (W h + c) = (C W) h + C c``, SliceGPT sec. 3
 * ``linear`` / ``addmm`` (GPT-2's ``Conv1D``) / ``matmul`` by a parameter view (Falcon's ``x @ W.T``):
   the weight along its output axis, and the bias;
 * an ``embedding`` lookup (tokens, learned positions): the table along its feature axis;
+* ``_grouped_mm`` of stacked expert weights (transformers 5's MoE): each expert's output projection;
 * a parameter added directly (Falcon's ``FalconLinear`` adds ``self.bias`` after the matmul);
+
+Sums of whole rows (``ops.ROWSUM``: the routed, per-token weighted sum of the experts' outputs by
+``sum``, ``index_add_`` or ``scatter_add``) are followed like sums, and a zero tensor they start from
+writes nothing, so a mixture of experts is centered through each expert's output projection.
 * the output of a LayerNorm of one embedding lookup (BLOOM's ``word_embeddings_layernorm``): the table
   is rewritten instead (``rewrite.table_rows``).
 
@@ -37,13 +42,14 @@ class Ref:
 
 @dataclass
 class Write:
-    """``param`` along ``axis`` is written into the stream at the tensor ``source`` (its last axis)."""
+    """``param`` along ``axis`` is written into the stream at the tensor ``source`` (along ``out_axis``)."""
 
     param: str
     axis: int
     source: Key
     user: Node  # the op that uses the parameter (linear, embedding, add, or the table norm's output)
     table: str | None = None  # name of the norm whose embedding table is rewritten
+    out_axis: int = -1  # -2 for ``W @ x`` (transformers' batched experts: ``bmm(W, x.unsqueeze(-1))``)
 
 
 class Writers:
@@ -137,6 +143,13 @@ class Writers:
                         writes.append(Write(ref.param, ref.dims[-1], opkey, node))
             elif node.op in ops.SCALE:
                 stack.append(self.scaled(site, node))
+            elif node.op in ops.ROWSUM:
+                parts, why = ops.rowsum_parts(node)
+                if why:
+                    raise refusal(site, f"its input is made by {ops.where(node)}, which {why}")
+                stack.extend(parts)
+            elif node.op in ops.ZEROS:
+                continue
             elif node.op in ops.PASS and 0 in node.operands:
                 if node.op.endswith("dropout") and ops.dropout_active(node):
                     raise refusal(site, f"dropout in training mode in {node.module}")
@@ -167,13 +180,19 @@ class Writers:
             weight, bias, w_axis = (1, "weight"), (2, "bias"), 0
         elif node.op == "addmm":
             weight, bias, w_axis = (2, "mat2"), (0, "input"), -1
+        elif "grouped_mm" in node.op:  # (S, K) x stacked (E, K, N) -> (S, N)
+            weight, bias, w_axis = (1, "mat_b" if "mat_b" in node.operands else "weight"), None, -1
         else:
             weight, bias, w_axis = (1, "other"), None, -1
         wkey = node.operands.get(weight[0], node.operands.get(weight[1]))
         ref = self.param_ref(wkey) if wkey is not None else None
+        out_axis = -1
+        matrix = node.op in ("matmul", "__matmul__", "mm", "bmm") and node.args[1].ndim >= 2
+        if ref is None and matrix and 0 in node.operands:
+            ref, w_axis, out_axis = self.param_ref(node.operands[0]), -2, -2  # W @ x: W's rows are written
         if ref is None or ref.dims[w_axis] is None:
             raise refusal(site, f"its input is written by {ops.where(node)} whose weight is not a parameter")
-        writes = [Write(ref.param, ref.dims[w_axis], k, node)]
+        writes = [Write(ref.param, ref.dims[w_axis], k, node, out_axis=out_axis)]
         bkey = node.operands.get(bias[0], node.operands.get(bias[1])) if bias else None
         if bkey is not None:
             bref = self.param_ref(bkey)
