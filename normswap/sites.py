@@ -52,6 +52,8 @@ class NormSite:
         consumers: the linear ops that read this norm's output.
         foldable: whether the affine parameters can be folded into ``consumers`` exactly.
         folded: whether convert folded them (the norm then holds its identity parameters).
+        reached: False for a norm the trace never ran (a VLM's vision tower on a text-only trace), found by
+            probing each idle module on an input shaped like its parameters; it is swapped, never folded.
         swappable: False for a module that is not a plain norm although it probes as one on its own (called
             with a gate or another input): it is listed but left in place.
         swapped: whether convert replaced the module by a fused one.
@@ -70,6 +72,7 @@ class NormSite:
     consumers: list[Consumer] = field(default_factory=list)
     foldable: bool = False
     folded: bool = False
+    reached: bool = True
     swappable: bool = True
     swapped: bool = False
     reason: str | None = None

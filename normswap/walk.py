@@ -613,6 +613,7 @@ def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
         if isinstance(t, torch.Tensor) and id(t) in tracer.tags:
             tracer._nonlinear(tracer.tags[id(t)], "output", "is returned as a model output")
     sites = _sites(tracer)
+    sites += _unreached(model, tracer)
     all_params = {name for name in tracer.owners}
     used = set(tracer.param_uses)
     untouched = sorted(
@@ -678,6 +679,31 @@ def _sites(tracer: _Tracer) -> list[NormSite]:
         reasons = [u.reason for u in call.uses if u.reason is not None]
         site.foldable, site.reason = _foldability(site, call, reasons)
         sites.append(site)
+    return sites
+
+
+NOT_REACHED = "not reached by the trace"
+
+
+def _unreached(model: nn.Module, tracer: _Tracer) -> list[NormSite]:
+    """Norms among the modules the forward never called (a vision tower on a text-only trace).
+
+    A leaf module that holds one or two tensors of the same shape ``S`` (1-D, or a per-head ``(H, D)``) is
+    probed on a synthetic input of shape ``(2, 4, *S)``; those that behave as norms are listed with the
+    reason ``NOT_REACHED``: their semantics are known, their consumers are not, so they are never folded.
+    """
+    sites = []
+    for name, module in model.named_modules():
+        if not name or id(module) in tracer.called or any(True for _ in module.children()):
+            continue
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        shape = tuple(tensors[0].shape) if tensors else ()
+        if not 1 <= len(shape) <= 2 or any(tuple(t.shape) != shape for t in tensors):
+            continue
+        site = probe_module(module, (2, 4, *shape), name)
+        if site is not None:
+            site.reached, site.foldable, site.reason = False, False, NOT_REACHED
+            sites.append(site)
     return sites
 
 

@@ -310,3 +310,126 @@ def test_c17_centering_through_routed_experts(experts):
     assert centered is down and centered.double().mean(1).abs().max() < 1e-7  # each expert's rows centered
     ids = _ids(seed=9)
     assert (_logits(reference, ids) - _logits(model, ids)).abs().max().item() < TOL
+
+
+# -- norms a text-only trace never reaches (a VLM's vision tower) -------------------------------------------
+
+
+def _gemma3_vlm():
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    text = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        sliding_window=8,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=7,
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=299,
+        boi_token_index=297,
+        eoi_token_index=298,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).float().eval()
+    _randomize(model, (nn.LayerNorm,))
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # Gemma's (1 + w) norms: base 0
+        for module in model.modules():
+            if isinstance(module, Gemma3RMSNorm):
+                module.weight.copy_(torch.rand(module.weight.shape, generator=gen) - 0.5)
+    return model
+
+
+def test_vision_tower_norms_are_listed_as_not_reached_and_swapped():
+    """Gemma 3 multimodal converted on text only: the 5 vision-side norms are listed "not reached by the
+    trace", swapped with their probed semantics and never folded; text and image prompts stay exact."""
+    model = _gemma3_vlm()
+    reference = copy.deepcopy(model)
+    report = normswap.convert(model)
+    idle = [s for s in report.sites if not s.reached]
+    assert [s.name for s in idle] == [
+        "model.vision_tower.encoder.layers.0.layer_norm1",
+        "model.vision_tower.encoder.layers.0.layer_norm2",
+        "model.vision_tower.post_layernorm",
+        "model.vision_tower.head.layernorm",
+        "model.multi_modal_projector.mm_soft_emb_norm",
+    ]
+    for site in idle:
+        assert site.reason == "not reached by the trace" and site.swapped and not site.folded
+    assert (idle[-1].kind, idle[-1].offset) == ("rmsnorm", 1.0) and idle[0].kind == "layernorm"
+    assert sum(s.folded for s in report.sites) == 5  # the language model's norms still fold
+    gen = torch.Generator().manual_seed(4)
+    text = torch.randint(0, 290, (2, 16), generator=gen)
+    image = torch.tensor([[5, 6, 7, 297, 299, 299, 299, 299, 298, 8, 9, 10]])
+    pixels = torch.randn(1, 3, 28, 28, generator=gen)
+    with torch.no_grad():
+        for kwargs in (dict(input_ids=text), dict(input_ids=image, pixel_values=pixels)):
+            assert (reference(**kwargs).logits - model(**kwargs).logits).abs().max().item() < TOL
+
+
+def test_qwen2_5_vl_vision_norms_are_listed():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters=rope,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        fullatt_block_indexes=[1],
+        window_size=28,
+        patch_size=14,
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=299,
+        video_token_id=298,
+        vision_start_token_id=297,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).float().eval()
+    _randomize(model, (Qwen2_5_VLRMSNorm,))
+    reference = copy.deepcopy(model)
+    report = normswap.convert(model)
+    idle = {s.name for s in report.sites if s.reason == "not reached by the trace"}
+    assert idle == {f"model.visual.blocks.{i}.norm{j}" for i in (0, 1) for j in (1, 2)} | {
+        "model.visual.merger.ln_q"
+    }
+    assert all(s.swapped and not s.folded for s in report.sites if s.name in idle)
+    assert report.norms_folded == 5
+    ids = _ids(vocab=290, seed=9)
+    with torch.no_grad():
+        assert (reference(input_ids=ids).logits - model(input_ids=ids).logits).abs().max().item() < TOL

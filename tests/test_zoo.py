@@ -26,7 +26,11 @@ REQUIRED = {
 }  # fmt: skip
 
 # A reason must say what blocks the fold: name a module of the model, or be one of these facts.
-_FACTS = ("parameter-free norm: nothing to fold", "output is returned as a model output")
+_FACTS = (
+    "parameter-free norm: nothing to fold",
+    "output is returned as a model output",
+    "not reached by the trace",
+)
 
 
 def _concrete(reason: str | None, module_names: set[str]) -> bool:

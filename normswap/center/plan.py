@@ -90,7 +90,7 @@ def plan_centering(
         CenteringError: the conversion would not be exact; the message names the site and the reason.
     """
     result = CenterResult()
-    layer = [s for s in walk.sites if s.kind == "layernorm"]
+    layer = [s for s in walk.sites if s.kind == "layernorm" and s.reached]  # an idle one keeps its kind
     if not layer:
         result.note = "no LayerNorm: nothing to center (centering an RMSNorm model would change it)"
         return Plan(result, {}, {}, [], [], [], {})
