@@ -85,6 +85,8 @@ def main() -> None:
 
     Exit codes: 0 success, 1 the logits check failed, 2 bad input.
     """
+    if os.environ.get("NORMSWAP_BACKEND") is None:
+        return  # nothing to check, and no torch import for a command's --help or usage error
     from normswap.kernels import resolve_backend
 
     try:  # $NORMSWAP_BACKEND picks the fused norms' kernels: a bad value fails now, not after loading

@@ -16,13 +16,14 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import torch
 
-from normswap.check.metrics import logit_metrics, next_token_targets
-from normswap.check.text import default_text
 from normswap.errors import NormswapError
+
+if TYPE_CHECKING:
+    import torch
 
 # per-window record: index, nll original, nll converted, kl sum, top-1 agreements, positions, targets, max abs
 _FIELDS = ("window", "nll_original", "nll_converted", "kl_sum", "top1", "positions", "targets", "max_abs")
@@ -121,6 +122,8 @@ def read_text(
         text = "\n".join(parts)
         source = f"{dataset}:{dataset_config or ''}:{split}"
     else:
+        from normswap.check.text import default_text
+
         text, source = default_text(min_chars), "pydoc_data.topics"
     if not text.strip():
         raise NormswapError(f"{source}: the evaluation text is empty")
@@ -136,6 +139,8 @@ def text_windows(tokenizer, text: str, max_tokens: int, window: int) -> list[tor
     Raises:
         NormswapError: fewer than 2 tokens, or ``window < 2``.
     """
+    import torch
+
     if window < 2:
         raise NormswapError(f"--window must be at least 2, got {window}")
     ids = tokenizer(text)["input_ids"][:max_tokens]
@@ -154,6 +159,7 @@ def make_accelerator():
     --multi_gpu --num_processes K`` (torchrun underneath) or ``torchrun --nproc_per_node K`` start K
     processes, and this function turns them into a CPU group.
     """
+    import torch
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=not torch.accelerator.is_available())
@@ -174,12 +180,16 @@ def _device(model):
     return model.get_input_embeddings().weight.device
 
 
-@torch.no_grad()
 def window_record(original, converted, ids: torch.Tensor, index: int) -> torch.Tensor:
     """Both models on one ``(1, w)`` window -> float64 tensor of shape ``(1, len(_FIELDS))`` (sums)."""
+    import torch
+
+    from normswap.check.metrics import logit_metrics, next_token_targets
+
     logits = []
     for model in (original, converted):
-        out = model(input_ids=ids.to(_device(model)), use_cache=False)
+        with torch.no_grad():
+            out = model(input_ids=ids.to(_device(model)), use_cache=False)
         logits.append(out.logits.reshape(-1, out.logits.shape[-1]).float().cpu())
     m = logit_metrics(logits[0], logits[1], next_token_targets(ids))
     row = (index, m["nll_ref"], m["nll_conv"], m["kl_mean"] * m["rows"], m["top1"] * m["rows"])
@@ -216,6 +226,7 @@ def evaluate(original, converted, windows: list[torch.Tensor], accelerator=None,
     Returns:
         on every process, the metrics dict of :func:`summarize` plus ``num_processes``.
     """
+    import torch
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
