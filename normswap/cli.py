@@ -39,11 +39,10 @@ def _step(message: str) -> None:
 
 
 def _quiet_transformers() -> None:
-    """Hide transformers' per-tensor progress bars and warnings; normswap reports its own steps."""
-    from transformers.utils import logging as hf_logging
+    """Hide transformers' progress bars and warnings and the hub's retry messages (``io.quiet_loading``)."""
+    from normswap.io import quiet_loading
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    quiet_loading()
 
 
 def _write_json(path: str | os.PathLike, data) -> None:
@@ -179,19 +178,9 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
 
 def _check_ids(model: str, loaded, tokens: int | None):
     """The check's token ids for ``loaded``; bad tokenizers and over-long requests are bad input (exit 2)."""
-    from normswap.check import default_input_ids
+    from normswap.check.inputs import command_input_ids
 
-    config = loaded.model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    limit = getattr(text, "max_position_embeddings", None)
-    if tokens is None:
-        tokens = min(512, limit) if isinstance(limit, int) and limit >= 2 else 512
-    elif isinstance(limit, int) and tokens > limit:
-        raise NormswapError(f"--tokens {tokens} exceeds {model}'s max_position_embeddings ({limit})")
-    try:
-        return default_input_ids(loaded.tokenizer, tokens)
-    except ValueError as error:
-        raise NormswapError(f"{model}: {error}") from error
+    return command_input_ids(model, loaded.model.config, loaded.tokenizer, tokens)
 
 
 @main.command()

@@ -172,6 +172,20 @@ def is_causal_lm(config) -> bool:
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or bool(remote_causal)
 
 
+def quiet_loading() -> None:
+    """Silence transformers' and huggingface_hub's progress bars, warnings and retry messages.
+
+    normswap reports its own steps, and a failure as one line; the hub's "Retrying in 2s" lines and
+    transformers' per-tensor bars would bury both.
+    """
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    hub_logging.set_verbosity_error()
+
+
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"float32"`` / ``torch.float32`` -> ``torch.float32``.
 
