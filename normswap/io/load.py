@@ -112,6 +112,7 @@ def resolve(source: str | Path, *, download: bool = True) -> Resolved:
 
     Raises:
         NormswapError: a missing path, a file that is not ``.gguf``, a directory without ``config.json``,
+            a name without ``/`` close to a short name (``difflib`` ratio >= 0.7: "did you mean ...?"),
             or a string that is neither a path, a short name nor a hub id.
     """
     source = str(source)
@@ -138,6 +139,12 @@ def resolve(source: str | Path, *, download: bool = True) -> Resolved:
         return Resolved(source, "dir", str(local), short_name=source)
     if _looks_like_path(source):
         raise NormswapError(f"{source}: no such file or directory")
+    close = difflib.get_close_matches(source, list(shortnames.SHORT_MODELS), n=1, cutoff=0.7)
+    if close and "/" not in source:  # a mistyped short name: answer now, not after the hub's retries
+        raise NormswapError(
+            f"{source}: not a local path or short name; did you mean {close[0]!r}? "
+            "(a hub id has the form OWNER/NAME)"
+        )
     if _HUB_ID.fullmatch(source):
         return Resolved(source, "hub", source)
     raise NormswapError(
@@ -210,8 +217,8 @@ def _load_failure(resolved: Resolved, what: str, error: Exception) -> NormswapEr
     text = str(error)
     if "trust_remote_code" in text:
         return NormswapError(
-            f"{resolved.source}: needs its own Python code to load; pass --trust-remote-code "
-            "(trust_remote_code=True) only if you trust it"
+            f"{resolved.source}: needs its own Python code to load; pass trust_remote_code=True "
+            "only if you trust it"
         )
     if resolved.kind == "hub":
         hint = ""
