@@ -284,7 +284,7 @@ def eval_command(
     CPU-only machine too: the K processes then form a CPU group): windows are sharded across processes
     and the results gathered; only the main process prints and writes --report.
     """
-    from normswap.check.inputs import check_positions, check_same_model, position_limit
+    from normswap.check.inputs import check_positions, check_same_model, default_tokens
     from normswap.io import quiet_loading
 
     quiet_loading()
@@ -302,8 +302,7 @@ def eval_command(
             raise NormswapError(f"{name} is not a causal LM (no output embeddings to compute logits)")
     check_same_model(model_source, original.config, converted, conv.config)
     if window is None:
-        limits = [n for n in (position_limit(original.config), position_limit(conv.config)) if n]
-        window = min([512, *limits])
+        window = min(default_tokens(original.config), default_tokens(conv.config))
     what = f"--window {window}" if window <= max_tokens else f"--max-tokens {max_tokens}"
     check_positions(min(window, max_tokens), what, {model_source: original.config, converted: conv.config})
     text, source = read_text(

@@ -87,6 +87,10 @@ def test_check_text_shorter_than_asked_is_bad_input(gpt2_pair, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("hello")
     assert_bad_input(run("check", src, out, "--text", short, "--tokens", "32"), "gives only 5 tokens")
+    longer = tmp_path / "longer.txt"
+    longer.write_text("The quick brown fox jumps over the lazy dog. " * 3)  # 135 byte tokens
+    result = run("check", src, out, "--text", longer)  # default: as many as the 64 positions hold
+    assert result.exit_code == 0 and "64 tokens" in result.output, result.output
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,13 @@ def check_command(
     normswap manifest), 2 on bad input.
     """
     from normswap.check import compare, reference_outputs
-    from normswap.check.inputs import check_positions, check_same_model, command_input_ids, text_ids
+    from normswap.check.inputs import (
+        check_positions,
+        check_same_model,
+        command_input_ids,
+        default_tokens,
+        text_ids,
+    )
     from normswap.evaluate import load_for_eval, read_text
     from normswap.io import check_output_file, load, quiet_loading, resolve
 
@@ -73,7 +79,7 @@ def check_command(
     if text_file is None:
         input_ids = command_input_ids(original, model.config, tokenizer, tokens, reserve=(greedy, "--greedy"))
     else:
-        tokens = tokens or 512
+        tokens = tokens or default_tokens(model.config, greedy)
         input_ids = text_ids(tokenizer, read_text(text_file)[0], tokens, source=text_file, what="--tokens")
     count = input_ids.shape[1]
     what = f"--tokens {count}" + (f" + --greedy {greedy}" if greedy else "")

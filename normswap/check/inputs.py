@@ -46,6 +46,12 @@ def check_positions(count: int, what: str, models: dict) -> None:
             raise NormswapError(f"{what} exceeds {name}'s max_position_embeddings ({limit})")
 
 
+def default_tokens(config, reserve: int = 0) -> int:
+    """``min(512, limit - reserve)`` (at least 2): the tokens a command takes when not told."""
+    limit = position_limit(config)
+    return DEFAULT_TOKENS if limit is None else max(2, min(DEFAULT_TOKENS, limit - reserve))
+
+
 def command_input_ids(source, model_config, tokenizer, tokens: int | None, *, reserve=(0, "")):
     """The check's ``(1, T)`` ids of the default text; over-long requests and bad tokenizers are bad input.
 
@@ -63,9 +69,8 @@ def command_input_ids(source, model_config, tokenizer, tokens: int | None, *, re
     from normswap.check.text import default_input_ids
 
     extra, option = reserve
-    limit = position_limit(model_config)
     if tokens is None:
-        tokens = DEFAULT_TOKENS if limit is None else max(2, min(DEFAULT_TOKENS, limit - extra))
+        tokens = default_tokens(model_config, extra)
     what = f"--tokens {tokens}" + (f" + {option} {extra}" if extra else "")
     check_positions(tokens + extra, what, {source: model_config})
     try:
