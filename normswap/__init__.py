@@ -6,35 +6,57 @@ Public API::
     report = normswap.convert(model)                # in place: fold + swap; ConvertReport
     result = normswap.check(original, converted, input_ids)   # CheckResult
     model = normswap.load_pretrained(path)          # a saved conversion, fused modules in place
+
+The names are imported on first use (PEP 562), so ``import normswap`` (and the CLI's ``--help``,
+``--version`` and usage errors) does not import torch or transformers.
 """
 
-from normswap.center import CenteringError
-from normswap.convert import ConvertReport, convert, inspect
-from normswap.errors import NormswapError
-from normswap.sites import Consumer, NormSite
+from __future__ import annotations
 
-__all__ = [
-    "CenteringError",
-    "Consumer",
-    "ConvertReport",
-    "NormSite",
-    "NormswapError",
-    "check",
-    "convert",
-    "inspect",
-    "load_pretrained",
-]
+import importlib
+import sys
+import types
+
 __version__ = "0.1.0"
 
-
-# Imported last so that ``normswap.check`` names the function, not the ``normswap.check`` package.
-from normswap.check import check  # noqa: E402
+# public name -> module that defines it
+_LAZY = {
+    "CenteringError": "normswap.center",
+    "Consumer": "normswap.sites",
+    "ConvertReport": "normswap.convert",
+    "NormSite": "normswap.sites",
+    "NormswapError": "normswap.errors",
+    "check": "normswap.check",
+    "convert": "normswap.convert",
+    "inspect": "normswap.convert",
+    "load_pretrained": "normswap.io",
+}
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):
-    # io pulls in more of transformers; import it on first use.
-    if name == "load_pretrained":
-        from normswap.io import load_pretrained
-
-        return load_pretrained
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        if not isinstance(value, types.ModuleType):
+            globals()[name] = value
+        return value
     raise AttributeError(f"module 'normswap' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """Keeps ``normswap.check`` and ``normswap.convert`` naming the functions, not the subpackages.
+
+    Importing a submodule sets it as an attribute of its package; for these two names the function wins.
+    """
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("check", "convert") and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

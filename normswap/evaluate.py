@@ -15,14 +15,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import torch
 
-from normswap.check.metrics import logit_metrics, next_token_targets
-from normswap.check.text import default_text
 from normswap.errors import NormswapError
+
+if TYPE_CHECKING:
+    import torch
 
 # per-window record: index, nll original, nll converted, kl sum, top-1 agreements, positions, targets, max abs
 _FIELDS = ("window", "nll_original", "nll_converted", "kl_sum", "top1", "positions", "targets", "max_abs")
@@ -121,27 +123,31 @@ def read_text(
         text = "\n".join(parts)
         source = f"{dataset}:{dataset_config or ''}:{split}"
     else:
+        from normswap.check.text import default_text
+
         text, source = default_text(min_chars), "pydoc_data.topics"
     if not text.strip():
         raise NormswapError(f"{source}: the evaluation text is empty")
     return text, source
 
 
-def text_windows(tokenizer, text: str, max_tokens: int, window: int) -> list[torch.Tensor]:
+def text_windows(
+    tokenizer, text: str, max_tokens: int, window: int, *, source: str = "the evaluation text"
+) -> list[torch.Tensor]:
     """Tokenize ``text``, keep the first ``max_tokens`` ids, cut them into consecutive windows.
 
     Returns:
         list of ``(1, w)`` long tensors, ``w == window`` except possibly the last (dropped if ``w < 2``).
 
     Raises:
-        NormswapError: fewer than 2 tokens, or ``window < 2``.
+        NormswapError: ``text`` (named ``source``) gives fewer than ``max_tokens`` tokens (as convert and
+            check refuse a text shorter than asked for), or ``window < 2``.
     """
+    from normswap.check.inputs import text_ids
+
     if window < 2:
         raise NormswapError(f"--window must be at least 2, got {window}")
-    ids = tokenizer(text)["input_ids"][:max_tokens]
-    if len(ids) < 2:
-        raise NormswapError(f"the evaluation text gives only {len(ids)} token(s)")
-    ids = torch.tensor([ids], dtype=torch.long)
+    ids = text_ids(tokenizer, text, max_tokens, source=source, what="--max-tokens")
     return [w for w in ids.split(window, dim=1) if w.shape[1] >= 2]
 
 
@@ -154,6 +160,7 @@ def make_accelerator():
     --multi_gpu --num_processes K`` (torchrun underneath) or ``torchrun --nproc_per_node K`` start K
     processes, and this function turns them into a CPU group.
     """
+    import torch
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=not torch.accelerator.is_available())
@@ -174,12 +181,16 @@ def _device(model):
     return model.get_input_embeddings().weight.device
 
 
-@torch.no_grad()
 def window_record(original, converted, ids: torch.Tensor, index: int) -> torch.Tensor:
     """Both models on one ``(1, w)`` window -> float64 tensor of shape ``(1, len(_FIELDS))`` (sums)."""
+    import torch
+
+    from normswap.check.metrics import logit_metrics, next_token_targets
+
     logits = []
     for model in (original, converted):
-        out = model(input_ids=ids.to(_device(model)), use_cache=False)
+        with torch.no_grad():
+            out = model(input_ids=ids.to(_device(model)), use_cache=False)
         logits.append(out.logits.reshape(-1, out.logits.shape[-1]).float().cpu())
     m = logit_metrics(logits[0], logits[1], next_token_targets(ids))
     row = (index, m["nll_ref"], m["nll_conv"], m["kl_mean"] * m["rows"], m["top1"] * m["rows"])
@@ -216,6 +227,7 @@ def evaluate(original, converted, windows: list[torch.Tensor], accelerator=None,
     Returns:
         on every process, the metrics dict of :func:`summarize` plus ``num_processes``.
     """
+    import torch
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
@@ -241,9 +253,18 @@ def evaluate(original, converted, windows: list[torch.Tensor], accelerator=None,
 @click.option("--dataset-config", help="Configuration name of --dataset.")
 @click.option("--split", default="test", show_default=True, help="Split of --dataset.")
 @click.option("--column", default="text", show_default=True, help="Text column of --dataset.")
-@click.option("--max-tokens", type=click.IntRange(min=2), default=2048, show_default=True)
 @click.option(
-    "--window", type=click.IntRange(min=2), default=512, show_default=True, help="Tokens per window."
+    "--max-tokens",
+    type=click.IntRange(min=2),
+    default=2048,
+    show_default=True,
+    help="Tokens of text to evaluate on: the first N tokens, cut into windows (the text must have them).",
+)
+@click.option(
+    "--window",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Tokens per window [default: 512, or the model's max_position_embeddings if smaller].",
 )
 @click.option(
     "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True
@@ -259,13 +280,14 @@ def eval_command(
 ):  # fmt: skip
     """Perplexity, KL and top-1 agreement of --converted vs --model on the same windows of real text.
 
-    Runs unchanged under `accelerate launch [--cpu] --num_processes K -m normswap eval ...`: windows are
-    sharded across processes and the results gathered; only the main process prints and writes --report.
+    Runs unchanged under `accelerate launch --multi_gpu --num_processes K -m normswap eval ...` (on a
+    CPU-only machine too: the K processes then form a CPU group): windows are sharded across processes
+    and the results gathered; only the main process prints and writes --report.
     """
-    from transformers.utils import logging as hf_logging
+    from normswap.check.inputs import check_positions, check_same_model, default_tokens
+    from normswap.io import quiet_loading
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    quiet_loading()
     acc = make_accelerator()
     original, tokenizer = load_for_eval(
         model_source, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code
@@ -278,6 +300,11 @@ def eval_command(
             model.to(acc.device)
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
             raise NormswapError(f"{name} is not a causal LM (no output embeddings to compute logits)")
+    check_same_model(model_source, original.config, converted, conv.config)
+    if window is None:
+        window = min(default_tokens(original.config), default_tokens(conv.config))
+    what = f"--window {window}" if window <= max_tokens else f"--max-tokens {max_tokens}"
+    check_positions(min(window, max_tokens), what, {model_source: original.config, converted: conv.config})
     text, source = read_text(
         text_file,
         dataset,
@@ -286,8 +313,8 @@ def eval_command(
         column=column,
         min_chars=8 * max_tokens,
     )
-    windows = text_windows(tokenizer, text, max_tokens, window)
-    result = evaluate(original, conv, windows, acc)
+    windows = text_windows(tokenizer, text, max_tokens, window, source=source)
+    result = evaluate(original, conv, windows, acc, progress=sys.stderr.isatty())
     if acc.is_main_process:
         result = {
             "model": model_source, "converted": converted, "text": source, "window": window, "dtype": dtype,

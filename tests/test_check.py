@@ -350,4 +350,4 @@ def test_cli_check_zero_tolerance_and_different_models(tmp_path):
     byte_tokenizer().save_pretrained(gpt2)
     result = runner.invoke(main, ["check", str(gpt2), str(bad), "--tokens", "64"], env=env)
     assert result.exit_code == 2, result.output
-    assert "not modules of" in result.output
+    assert "are different models: model_type gpt2 vs gemma" in result.output

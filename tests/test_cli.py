@@ -8,9 +8,12 @@ more, so 1e-5 separates the two.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +23,9 @@ from transformers import AutoModelForCausalLM
 from normswap.cli import main
 
 # ``normswap.convert`` / ``normswap.check`` name the public functions; the CLI imports from the modules.
-convert_module = sys.modules["normswap.convert"]
-check_module = sys.modules["normswap.check"]
+convert_module = importlib.import_module("normswap.convert")
+check_module = importlib.import_module("normswap.check")
+REPO = Path(__file__).resolve().parents[1]
 
 REPORT_KEYS = {"model", "norms_found", "norms_folded", "norms_swapped", "sites", "check"}
 SITE_KEYS = {"name", "kind", "offset", "consumers", "folded", "reason"}
@@ -64,6 +68,22 @@ def test_help():
 def test_python_dash_m():
     proc = subprocess.run([sys.executable, "-m", "normswap", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "convert" in proc.stdout and "inspect" in proc.stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["convert", "--help"], ["convert"], ["eval"]])
+def test_help_version_and_usage_errors_do_not_import_torch(args):
+    """These answer at once: torch and transformers are imported inside command bodies only (the time is
+    measured by benchmarks/cli_startup.py, not here)."""
+    code = (
+        "import sys\nfrom normswap.cli import main\n"
+        f"try:\n    main({args!r})\nexcept SystemExit as e:\n    code = e.code\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules)\n"
+        "print('imported:', heavy, file=sys.stderr)\nsys.exit(code)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NORMSWAP_BACKEND"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == (2 if args in (["convert"], ["eval"]) else 0), proc.stderr
+    assert "imported: []" in proc.stderr, proc.stderr
 
 
 def test_missing_model(tmp_path):

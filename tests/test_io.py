@@ -360,20 +360,42 @@ def test_remote_code_is_not_run_without_consent(tmp_path):
         )
     )
     (model_dir / "configuration_custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    with pytest.raises(NormswapError, match="--trust-remote-code") as error:
-        load_model(model_dir)
+    with pytest.raises(NormswapError, match="pass trust_remote_code=True only if") as error:
+        load_model(model_dir)  # the Python argument names it ...
     _one_line(error)
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    result = CliRunner().invoke(main, ["inspect", str(model_dir)])
+    assert result.exit_code == 2 and "pass --trust-remote-code only if" in result.stderr  # ... the CLI option
     assert not marker.exists()
 
 
 @pytest.mark.parametrize(
     ("source", "hint"),
-    [("normswap-test/no-such-model", "hub cannot provide it"), ("smollm2", "did you mean the short name")],
+    [("normswap-test/no-such-model", "hub cannot provide it"), ("smollm2", "did you mean 'smollm2-135m'")],
 )
 def test_unreachable_hub_id(source, hint, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(NormswapError, match=hint) as error:
         load_model(source)
+    _one_line(error)
+
+
+@pytest.mark.parametrize(("typo", "name"), [("smollm2", "smollm2-135m"), ("gemma3", "gemma3-270m"),
+                                            ("minilm-l12", "minilm-l6")])  # fmt: skip
+def test_mistyped_short_name_is_answered_without_the_hub(typo, name, monkeypatch):
+    """A name close to a short name (and not a path or OWNER/NAME) never reaches the hub and its retries."""
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    with pytest.raises(NormswapError, match=f"did you mean '{name}'") as error:
+        load_model(typo)
     _one_line(error)
 
 

@@ -2,23 +2,37 @@
 
 Public API: :func:`check` (both models in memory), :func:`reference_outputs` + :func:`compare` (lean:
 reference first, convert in place, then compare), :func:`default_input_ids`, :class:`CheckResult`.
-See docs/CHECKING.md.
+See docs/CHECKING.md. The names are imported on first use, so that the CLI's ``check`` command (in
+``command.py``) registers without importing torch.
 """
 
-from .core import CheckResult, Reference, check, compare, peak_rss_mib, reference_outputs, upcast
-from .policy import DEFAULT_TOLERANCE, default_tolerance
-from .text import default_input_ids, default_text
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_TOLERANCE",
-    "CheckResult",
-    "Reference",
-    "check",
-    "compare",
-    "default_input_ids",
-    "default_text",
-    "default_tolerance",
-    "peak_rss_mib",
-    "reference_outputs",
-    "upcast",
-]
+import importlib
+
+_LAZY = {
+    "CheckResult": ".core",
+    "Reference": ".core",
+    "check": ".core",
+    "compare": ".core",
+    "peak_rss_mib": ".core",
+    "reference_outputs": ".core",
+    "upcast": ".core",
+    "DEFAULT_TOLERANCE": ".policy",
+    "default_tolerance": ".policy",
+    "default_input_ids": ".text",
+    "default_text": ".text",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'normswap.check' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

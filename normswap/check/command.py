@@ -23,7 +23,13 @@ def _manifest_sites(path) -> list:
 @click.command("check")
 @click.argument("original")
 @click.argument("converted")
-@click.option("--tokens", type=click.IntRange(min=2), default=512, show_default=True, help="Tokens of text.")
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Tokens of text to compare on [default: 512, or fewer to fit (with --greedy) in the model's "
+    "max_position_embeddings].",
+)
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False), help="UTF-8 text file.")
 @click.option(
     "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True
@@ -48,30 +54,36 @@ def check_command(
     (docs/CHECKING.md), 1 when it does not (the first diverging norm site is named when CONVERTED has a
     normswap manifest), 2 on bad input.
     """
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from normswap.check import compare, default_input_ids, reference_outputs
+    from normswap.check import compare, reference_outputs
+    from normswap.check.inputs import (
+        check_positions,
+        check_same_model,
+        command_input_ids,
+        default_tokens,
+        text_ids,
+    )
     from normswap.evaluate import load_for_eval, read_text
-    from normswap.io import check_output_file, resolve
+    from normswap.io import check_output_file, load, quiet_loading, resolve
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    quiet_loading()
     if report:
         check_output_file(report, [original, converted])
-    for source in (original, converted):
-        resolve(source)  # bad paths fail here, before the (slow) load of the other model
+    resolve(original)  # bad paths fail here, before the (slow) load of the other model
+    converted_config = load.load_config(resolve(converted), trust_remote_code=trust_remote_code)
     kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code)
     model, tokenizer = load_for_eval(original, **kw)
     if tokenizer is None:
         raise NormswapError(f"{original}: no tokenizer found")
+    # models that differ are named before any forward pass (an IndexError or a size mismatch otherwise)
+    check_same_model(original, model.config, converted, converted_config)
     if text_file is None:
-        input_ids = default_input_ids(tokenizer, tokens)
+        input_ids = command_input_ids(original, model.config, tokenizer, tokens, reserve=(greedy, "--greedy"))
     else:
-        ids = tokenizer(read_text(text_file)[0])["input_ids"][:tokens]
-        if len(ids) < 2:
-            raise NormswapError(f"{text_file}: gives fewer than 2 tokens")
-        input_ids = torch.tensor([ids])
+        tokens = tokens or default_tokens(model.config, greedy)
+        input_ids = text_ids(tokenizer, read_text(text_file)[0], tokens, source=text_file, what="--tokens")
+    count = input_ids.shape[1]
+    what = f"--tokens {count}" + (f" + --greedy {greedy}" if greedy else "")
+    check_positions(count + greedy, what, {original: model.config, converted: converted_config})
     sites = _manifest_sites(converted)
     names = {name for name, _ in model.named_modules()}
     if sites and not all(site.name in names for site in sites):

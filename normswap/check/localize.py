@@ -205,9 +205,12 @@ def localize(
         )
         role = probe.role if probe else where
         name = probe.site if probe and probe.site else module
-        upstream = f"after {last_match}" + (
-            f", so in or after norm {suspect} and its consumers" if suspect else ""
-        )
+        if last_match is None:  # the very first point differs: nothing before it was recorded
+            upstream = "before the first recorded point (in the embeddings or whatever runs before it)"
+        else:
+            upstream = f"after {last_match}" + (
+                f", so in or after norm {suspect} and its consumers" if suspect else ""
+            )
         if role == "norm input":
             what = f"the input of norm {name} already differs: the change is upstream, {upstream}"
         elif role == "layer output":

@@ -5,7 +5,15 @@
 * ``load_pretrained(path)`` -> model with normswap's fused norms in place
 """
 
-from normswap.io.load import LoadedModel, ModelInfo, Resolved, is_causal_lm, load_model, resolve
+from normswap.io.load import (
+    LoadedModel,
+    ModelInfo,
+    Resolved,
+    is_causal_lm,
+    load_model,
+    quiet_loading,
+    resolve,
+)
 from normswap.io.save import (
     MANIFEST,
     check_output_dir,
@@ -32,6 +40,7 @@ __all__ = [
     "load_model",
     "load_pretrained",
     "plain_float_checkpoint",
+    "quiet_loading",
     "read_manifest",
     "report_dict",
     "resolve",

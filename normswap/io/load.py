@@ -112,6 +112,7 @@ def resolve(source: str | Path, *, download: bool = True) -> Resolved:
 
     Raises:
         NormswapError: a missing path, a file that is not ``.gguf``, a directory without ``config.json``,
+            a name without ``/`` close to a short name (``difflib`` ratio >= 0.7: "did you mean ...?"),
             or a string that is neither a path, a short name nor a hub id.
     """
     source = str(source)
@@ -138,6 +139,12 @@ def resolve(source: str | Path, *, download: bool = True) -> Resolved:
         return Resolved(source, "dir", str(local), short_name=source)
     if _looks_like_path(source):
         raise NormswapError(f"{source}: no such file or directory")
+    close = difflib.get_close_matches(source, list(shortnames.SHORT_MODELS), n=1, cutoff=0.7)
+    if close and "/" not in source:  # a mistyped short name: answer now, not after the hub's retries
+        raise NormswapError(
+            f"{source}: not a local path or short name; did you mean {close[0]!r}? "
+            "(a hub id has the form OWNER/NAME)"
+        )
     if _HUB_ID.fullmatch(source):
         return Resolved(source, "hub", source)
     raise NormswapError(
@@ -172,6 +179,20 @@ def is_causal_lm(config) -> bool:
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or bool(remote_causal)
 
 
+def quiet_loading() -> None:
+    """Silence transformers' and huggingface_hub's progress bars, warnings and retry messages.
+
+    normswap reports its own steps, and a failure as one line; the hub's "Retrying in 2s" lines and
+    transformers' per-tensor bars would bury both.
+    """
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    hub_logging.set_verbosity_error()
+
+
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"float32"`` / ``torch.float32`` -> ``torch.float32``.
 
@@ -196,8 +217,8 @@ def _load_failure(resolved: Resolved, what: str, error: Exception) -> NormswapEr
     text = str(error)
     if "trust_remote_code" in text:
         return NormswapError(
-            f"{resolved.source}: needs its own Python code to load; pass --trust-remote-code "
-            "(trust_remote_code=True) only if you trust it"
+            f"{resolved.source}: needs its own Python code to load; pass trust_remote_code=True "
+            "only if you trust it"
         )
     if resolved.kind == "hub":
         hint = ""

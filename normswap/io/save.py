@@ -185,7 +185,7 @@ def _replace_dir(built: Path, out: Path, overwrite: bool) -> None:
         os.rename(built, out)
         return
     if not overwrite:
-        raise NormswapError(f"output directory {out} already exists; pass --overwrite to replace it")
+        raise NormswapError(f"output directory {out} already exists; pass overwrite=True to replace it")
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
     os.rmdir(old)
     os.rename(out, old)

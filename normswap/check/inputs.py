@@ -1,0 +1,122 @@
+"""What a command feeds a model, checked before the model runs: token counts, and two models that match.
+
+Used by every command that runs a model on tokens (``convert``, ``check``, ``eval``), so that bad input is
+one line and exit code 2 before any forward pass, never an ``IndexError`` from inside the model:
+
+* :func:`position_limit` / :func:`check_positions`: a sequence longer than the model's
+  ``max_position_embeddings`` (learned position tables such as GPT-2's ``n_positions`` end there);
+* :func:`command_input_ids`: the check's default text ids for ``--tokens``, within that limit;
+* :func:`text_ids`: a user's text, refused when it gives fewer tokens than asked for;
+* :func:`check_same_model`: two models that differ in kind, vocabulary or shape.
+
+The messages name the command's options (``what``), as the caller passes them.
+"""
+
+from __future__ import annotations
+
+from normswap.errors import NormswapError
+
+DEFAULT_TOKENS = 512
+# config fields that two checkpoints of one model share (a conversion changes none of them)
+_SAME_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def position_limit(config) -> int | None:
+    """The longest token sequence the model takes: its (text) config's ``max_position_embeddings``.
+
+    ``None`` when the config states no limit (GPT-2's ``n_positions`` is read through its alias).
+    """
+    limit = getattr(_text_config(config), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit >= 2 else None
+
+
+def check_positions(count: int, what: str, models: dict) -> None:
+    """Refuse ``count`` positions beyond the limit of any of ``models`` (name -> config).
+
+    Raises:
+        NormswapError: ``"{what} exceeds {name}'s max_position_embeddings ({limit})"``.
+    """
+    for name, config in models.items():
+        limit = position_limit(config)
+        if limit is not None and count > limit:
+            raise NormswapError(f"{what} exceeds {name}'s max_position_embeddings ({limit})")
+
+
+def default_tokens(config, reserve: int = 0) -> int:
+    """``min(512, limit - reserve)`` (at least 2): the tokens a command takes when not told."""
+    limit = position_limit(config)
+    return DEFAULT_TOKENS if limit is None else max(2, min(DEFAULT_TOKENS, limit - reserve))
+
+
+def command_input_ids(source, model_config, tokenizer, tokens: int | None, *, reserve=(0, "")):
+    """The check's ``(1, T)`` ids of the default text; over-long requests and bad tokenizers are bad input.
+
+    Args:
+        source: the MODEL argument, for messages.
+        model_config: the loaded model's config (its position limit applies).
+        tokenizer: the model's tokenizer.
+        tokens: ``T``; ``None`` takes ``min(512, limit - reserve)``.
+        reserve: ``(N, option)``: N positions needed after the ``T`` tokens (greedy generation), and the
+            option that asks for them (named in a refusal).
+
+    Raises:
+        NormswapError: ``T + reserve`` beyond the limit; a tokenizer that gives too few or degenerate ids.
+    """
+    from normswap.check.text import default_input_ids
+
+    extra, option = reserve
+    if tokens is None:
+        tokens = default_tokens(model_config, extra)
+    what = f"--tokens {tokens}" + (f" + {option} {extra}" if extra else "")
+    check_positions(tokens + extra, what, {source: model_config})
+    try:
+        return default_input_ids(tokenizer, tokens)
+    except ValueError as error:
+        raise NormswapError(f"{source}: {error}") from error
+
+
+def text_ids(tokenizer, text: str, tokens: int, *, source, what: str):
+    """The first ``tokens`` ids of ``text`` as a ``(1, tokens)`` long tensor.
+
+    Raises:
+        NormswapError: the text gives fewer than ``tokens`` ids (named as ``what``, e.g. ``"--tokens"``).
+    """
+    import torch
+
+    ids = tokenizer(text)["input_ids"]
+    if len(ids) < tokens:
+        raise NormswapError(
+            f"{source} gives only {len(ids)} tokens, fewer than the {tokens} asked for "
+            f"(pass a longer text or {what} {max(len(ids), 2)})"
+        )
+    return torch.tensor([ids[:tokens]], dtype=torch.long)
+
+
+def _kind(config) -> str:
+    from normswap.io import is_causal_lm
+
+    return "causal LM" if is_causal_lm(config) else "encoder (no LM head)"
+
+
+def check_same_model(original: str, a, converted: str, b) -> None:
+    """Refuse two configs that cannot be checkpoints of one model: kind, model type, vocabulary, shape.
+
+    Raises:
+        NormswapError: one line naming each field that differs, e.g.
+            ``"A and B are different models: vocab_size 49152 vs 262144"``.
+    """
+    differ = []
+    kinds = _kind(a), _kind(b)
+    if kinds[0] != kinds[1]:
+        differ.append(f"{kinds[0]} vs {kinds[1]}")
+    ta, tb = _text_config(a), _text_config(b)
+    for name in _SAME_FIELDS:
+        va, vb = getattr(ta, name, None), getattr(tb, name, None)
+        if va is not None and vb is not None and va != vb:
+            differ.append(f"{name} {va} vs {vb}")
+    if differ:
+        raise NormswapError(f"{original} and {converted} are different models: {', '.join(differ)}")
