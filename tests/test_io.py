@@ -470,7 +470,7 @@ def test_save_failure_leaves_nothing(tmp_path):
             (Path(path) / "tokenizer.json").write_text("{")
             raise OSError(28, "No space left on device")
 
-    with pytest.raises(NormswapError, match="No space left on device") as error:
+    with pytest.raises(NormswapError, match="cannot write .*out: no space left on device") as error:
         save_converted(model, BrokenTokenizer(), _report(), tmp_path / "out")
     _one_line(error)
     assert list(tmp_path.iterdir()) == []
