@@ -12,15 +12,13 @@ docs/CHECKING.md).
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from pathlib import Path
 
 import click
 import torch
 
-from normswap.check.metrics import logit_metrics, next_token_targets
+from normswap.check.metrics import logit_metrics, next_token_targets, perplexity
 from normswap.check.text import default_text
 from normswap.errors import NormswapError
 
@@ -193,8 +191,8 @@ def summarize(records: torch.Tensor) -> dict:
     sums = dict(zip(_FIELDS, records.sum(0).tolist(), strict=True))
     targets, positions = sums["targets"], sums["positions"]
     return {
-        "ppl_original": math.exp(sums["nll_original"] / targets),
-        "ppl_converted": math.exp(sums["nll_converted"] / targets),
+        "ppl_original": perplexity(sums["nll_original"], targets),
+        "ppl_converted": perplexity(sums["nll_converted"], targets),
         "kl_mean": sums["kl_sum"] / positions,
         "top1_agreement": sums["top1"] / positions,
         "max_abs_logit_diff": records[:, 7].max().item(),
@@ -264,8 +262,12 @@ def eval_command(
     """
     from transformers.utils import logging as hf_logging
 
+    from normswap.io import check_output_file, write_json
+
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    if report:
+        check_output_file(report, [model_source, converted])
     acc = make_accelerator()
     original, tokenizer = load_for_eval(
         model_source, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code
@@ -294,7 +296,7 @@ def eval_command(
             **result,
         }  # fmt: skip
         if report:
-            Path(report).write_text(json.dumps(result, indent=2) + "\n")
+            write_json(report, result)
         click.echo(
             f"eval: {result['tokens']} tokens in {result['windows']} windows, "
             f"{result['num_processes']} process(es)\n"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -53,7 +52,7 @@ def check_command(
 
     from normswap.check import compare, default_input_ids, reference_outputs
     from normswap.evaluate import load_for_eval, read_text
-    from normswap.io import check_output_file, resolve
+    from normswap.io import check_output_file, resolve, write_json
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -85,7 +84,7 @@ def check_command(
     except (ValueError, KeyError, AttributeError) as error:  # a model of another architecture
         raise NormswapError(f"{converted}: {error}") from error
     if report:
-        Path(report).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        write_json(report, result.to_dict())
     click.echo(result.summary())
     if not result.passed:
         raise SystemExit(1)

@@ -175,5 +175,11 @@ def hidden_metrics(ref: torch.Tensor, conv: torch.Tensor) -> dict:
 
 
 def perplexity(nll_sum: float, count: int) -> float | None:
-    """``exp(sum NLL / count)``; ``None`` when there is no target."""
-    return math.exp(nll_sum / count) if count else None
+    """``exp(sum NLL / count)``; ``inf`` where that overflows a float (a mean NLL above about 709.78
+    nats), NaN for a NaN NLL, ``None`` when there is no target."""
+    if not count:
+        return None
+    try:
+        return math.exp(nll_sum / count)
+    except OverflowError:
+        return math.inf
