@@ -59,14 +59,11 @@ def load_for_eval(source, *, dtype="float32", device_map=None, trust_remote_code
     kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
     config = io.load.load_config(resolved, trust_remote_code=trust_remote_code)
     auto = AutoModelForCausalLM if io.is_causal_lm(config) else AutoModel
+    model = io.load.load_weights(
+        auto, resolved, dtype=io.load.torch_dtype(dtype), device_map=device_map,
+        trust_remote_code=trust_remote_code, **kwargs,
+    )  # fmt: skip
     try:
-        model = auto.from_pretrained(
-            resolved.path,
-            dtype=io.load.torch_dtype(dtype),
-            device_map=device_map,
-            trust_remote_code=trust_remote_code,
-            **kwargs,
-        )
         tok = AutoTokenizer.from_pretrained(resolved.path, **kwargs) if tokenizer else None
     except Exception as error:
         raise NormswapError(f"{source}: cannot load with device_map={device_map!r} ({error})") from error

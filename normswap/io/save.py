@@ -28,7 +28,7 @@ import torch
 
 from normswap.errors import NormswapError
 from normswap.io import files, shortnames
-from normswap.io.load import ModelInfo, _load_failure, is_causal_lm, load_config, resolve, torch_dtype
+from normswap.io.load import ModelInfo, is_causal_lm, load_config, load_weights, resolve, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -365,7 +365,8 @@ def load_pretrained(
         the model, in eval mode.
 
     Raises:
-        NormswapError: not a normswap checkpoint, or transformers cannot load it.
+        NormswapError: not a normswap checkpoint, transformers cannot load it, or its tensors do not
+            match its config (see ``normswap.io.load.load_weights``).
     """
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -380,12 +381,7 @@ def load_pretrained(
         kwargs["dtype"] = torch_dtype(dtype)
     else:
         kwargs.setdefault("dtype", "auto")
-    try:
-        model = auto.from_pretrained(
-            resolved.path, config=config, trust_remote_code=trust_remote_code, **kwargs
-        )
-    except Exception as error:
-        raise _load_failure(resolved, "weights", error) from error
+    model = load_weights(auto, resolved, config=config, trust_remote_code=trust_remote_code, **kwargs)
     sites = [NormSite.from_dict(site) for site in manifest.get("sites", []) if site.get("swapped")]
     swap_norms(model, sites)
     return model.eval()
