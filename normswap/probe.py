@@ -177,6 +177,25 @@ def _cast_order(module: nn.Module, site: NormSite, shape: tuple[int, ...], gen: 
     return best
 
 
+def nonfinite_tensors(module: nn.Module) -> list[str]:
+    """Names of ``module``'s own float parameters and buffers that hold a NaN or inf."""
+    named = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    return [n for n, t in named if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def _finite_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose non-finite parameter entries hold the median of the finite ones (1.0 if
+    none is finite): a norm with a NaN weight is still a norm, and its semantics can still be measured."""
+    module = copy.deepcopy(module)
+    with torch.no_grad():
+        for name in nonfinite_tensors(module):
+            t = getattr(module, name)
+            bad = ~torch.isfinite(t)
+            good = t[~bad]
+            t[bad] = good.median() if good.numel() else 1.0
+    return module
+
+
 def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = "") -> NormSite | None:
     """Decide by probing whether ``module`` is a norm, and measure its semantics.
 
@@ -187,10 +206,13 @@ def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = ""
 
     Returns:
         A ``NormSite`` (consumers empty, not yet foldable) or ``None`` if the module is not a norm over the
-        last axis with at most a scale and a bias parameter.
+        last axis with at most a scale and a bias parameter. A norm whose parameters hold NaN or inf is
+        probed with those entries replaced by finite ones (``_finite_copy``), so it is still found.
     """
     if not is_candidate(module, input_shape):
         return None
+    if nonfinite_tensors(module):
+        module = _finite_copy(module)
     gen = torch.Generator().manual_seed(0)
     shape = _probe_shape(input_shape)
     probe = copy.deepcopy(module).double().eval()
