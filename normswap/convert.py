@@ -78,6 +78,7 @@ def inspect(model: nn.Module, input_ids: torch.Tensor | None = None) -> list[Nor
     return walk(model, input_ids).sites
 
 
+@torch.inference_mode(False)  # tensors made here become parameters: never inference tensors (C24)
 def convert(
     model: nn.Module,
     *,
@@ -103,7 +104,8 @@ def convert(
             needed the sites first, e.g. to record a reference, does not trace twice); walked here if None.
 
     Returns:
-        A ``ConvertReport``.
+        A ``ConvertReport``. Every parameter it creates is an ordinary tensor, also when called inside
+        ``torch.inference_mode()``: the converted model can be trained.
 
     Raises:
         ValueError: unknown ``norm``.

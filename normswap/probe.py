@@ -177,6 +177,32 @@ def _cast_order(module: nn.Module, site: NormSite, shape: tuple[int, ...], gen: 
     return best
 
 
+def _compute_dtype(module: nn.Module, site: NormSite, shape: tuple[int, ...], gen: torch.Generator):
+    """``"float32"`` when a float64 copy of the module normalizes in float32 (HF's norms upcast with
+    ``.to(torch.float32)`` whatever the input dtype), ``None`` when it computes in float64: whichever of the
+    two fused modules reproduces its float64 output more closely (ties: ``None``)."""
+    from normswap.kernels import FusedLayerNorm, FusedRMSNorm
+
+    high = copy.deepcopy(module).double()
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3
+    y = _run(high, x)
+    if y is None:
+        return None
+    cls = FusedRMSNorm if site.kind == "rmsnorm" else FusedLayerNorm
+    extra = {"bias_name": site.bias} if site.kind == "layernorm" else {}
+    errors = {}
+    for compute in (None, "float32"):
+        fused = cls(site.shape, site.eps, site.offset, site.cast_order, site.weight, dtype=torch.float64,
+                    backend="eager", compute_dtype=compute, **extra)  # fmt: skip
+        with torch.no_grad():
+            for name in (site.weight, site.bias):
+                if name:
+                    getattr(fused, name).copy_(getattr(high, name))
+        out = _run(fused, x)
+        errors[compute] = math.inf if out is None else (out - y).abs().max().item()
+    return "float32" if errors["float32"] < errors[None] else None
+
+
 def nonfinite_tensors(module: nn.Module) -> list[str]:
     """Names of ``module``'s own float parameters and buffers that hold a NaN or inf."""
     named = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
@@ -270,4 +296,5 @@ def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = ""
         dtype=str(ref_tensor.dtype).removeprefix("torch.") if ref_tensor is not None else "none",
     )
     site.cast_order = _cast_order(module, site, shape, gen)
+    site.compute_dtype = _compute_dtype(module, site, shape, gen)
     return site
