@@ -14,6 +14,7 @@ module, so the model is never touched.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import torch
@@ -181,23 +182,16 @@ def _compute_dtype(module: nn.Module, site: NormSite, shape: tuple[int, ...], ge
     """``"float32"`` when a float64 copy of the module normalizes in float32 (HF's norms upcast with
     ``.to(torch.float32)`` whatever the input dtype), ``None`` when it computes in float64: whichever of the
     two fused modules reproduces its float64 output more closely (ties: ``None``)."""
-    from normswap.kernels import FusedLayerNorm, FusedRMSNorm
+    from normswap.swap import fused_module
 
     high = copy.deepcopy(module).double()
     x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3
     y = _run(high, x)
     if y is None:
         return None
-    cls = FusedRMSNorm if site.kind == "rmsnorm" else FusedLayerNorm
-    extra = {"bias_name": site.bias} if site.kind == "layernorm" else {}
     errors = {}
     for compute in (None, "float32"):
-        fused = cls(site.shape, site.eps, site.offset, site.cast_order, site.weight, dtype=torch.float64,
-                    backend="eager", compute_dtype=compute, **extra)  # fmt: skip
-        with torch.no_grad():
-            for name in (site.weight, site.bias):
-                if name:
-                    getattr(fused, name).copy_(getattr(high, name))
+        fused = fused_module(dataclasses.replace(site, compute_dtype=compute), high)
         out = _run(fused, x)
         errors[compute] = math.inf if out is None else (out - y).abs().max().item()
     return "float32" if errors["float32"] < errors[None] else None
