@@ -15,12 +15,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -35,7 +34,6 @@ from normswap.cli import main
 from normswap.errors import NormswapError
 from normswap.io import files, save_converted, shortnames
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 49152
 BROKEN = "model.layers.1.mlp.down_proj.weight"
 
@@ -307,33 +305,21 @@ def test_any_writer_exception_is_one_line(tmp_path):
 
 
 # -- signals during a save, stale build folders -----------------------------------------------------------
-SAVER = textwrap.dedent(
-    """
-    import sys, time
-    from conftest import make_tiny_model
-    from normswap.io import save_converted
+# Writers run in forked processes (fork: no second import of torch; the tiny tensors stay below torch's
+# parallel grain, so no OpenMP pool is touched after the fork).
+FORK = multiprocessing.get_context("fork")
 
-    model = make_tiny_model("llama")
+
+def _slow_save(model, out: Path, ready) -> None:
     real = type(model).save_pretrained
 
     def slow(self, path, **kwargs):
         real(self, path, **kwargs)
-        print("saving", flush=True)
+        ready.set()  # the weights are written, the save is mid-way
         time.sleep(60)
 
     type(model).save_pretrained = slow
-    save_converted(model, None, {"run": "killed"}, sys.argv[1], overwrite=True)
-    """
-)
-
-
-def _start_saver(out: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SAVER, str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout.readline().strip() == "saving"  # the weights are written, the save is mid-way
-    return proc
+    save_converted(model, None, {"run": "killed"}, out, overwrite=True)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
@@ -344,9 +330,13 @@ def test_signal_during_save(tmp_path, sig):
     model = make_tiny_model("llama")
     save_converted(model, None, {"run": "first"}, out)
     before = digests(out)
-    proc = _start_saver(out)
-    proc.send_signal(sig)
-    assert proc.wait(timeout=60) != 0
+    ready = FORK.Event()
+    proc = FORK.Process(target=_slow_save, args=(model, out, ready))
+    proc.start()
+    assert ready.wait(60)
+    os.kill(proc.pid, sig)
+    proc.join(60)
+    assert proc.exitcode not in (0, None)
     assert digests(out) == before
     if sig == signal.SIGINT:
         assert hidden(tmp_path) == []
@@ -358,55 +348,42 @@ def test_signal_during_save(tmp_path, sig):
 
 
 # -- C23: concurrent saves ---------------------------------------------------------------------------------
-WRITER = textwrap.dedent(
-    """
-    import json, sys, time
-    from pathlib import Path
-    from conftest import make_tiny_model
-    from normswap.errors import NormswapError
-    from normswap.io import save_converted
-
-    out, go, me, n = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    model = make_tiny_model("llama")
-    while not go.exists():
-        time.sleep(0.01)
-    counts = {"ok": 0, "in use": 0}
-    for i in range(n):
+def _writer(model, out: Path, go, me: str, saves: int, results) -> None:
+    go.wait(60)
+    counts = {"ok": 0, "in use": 0, "other": []}
+    for i in range(saves):
         try:
             save_converted(model, None, {"writer": me, "i": i}, out, overwrite=True)
             counts["ok"] += 1
         except NormswapError as error:
-            assert "in use" in str(error) and "\\n" not in str(error), str(error)
-            counts["in use"] += 1
-    print(json.dumps(counts))
-    """
-)
+            if "in use" in str(error) and "\n" not in str(error):
+                counts["in use"] += 1
+            else:
+                counts["other"].append(str(error))
+    results.put(counts)
 
 
 def test_concurrent_saves_are_safe(tmp_path):
     """C23: spurious "Directory not empty" errors and a leaked .old copy; now every save succeeds or says
     "in use", OUT always holds one complete checkpoint, nothing hidden is left."""
-    out, go, saves = tmp_path / "out", tmp_path / "go", 30
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    procs = [
-        subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(go), name, str(saves)], cwd=ROOT,
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for name in ("a", "b")
-    ]  # fmt: skip
-    go.touch()
+    out, saves = tmp_path / "out", 30
+    model = make_tiny_model("llama")
+    go, results = FORK.Event(), FORK.Queue()
+    procs = [FORK.Process(target=_writer, args=(model, out, go, me, saves, results)) for me in "ab"]
+    for proc in procs:
+        proc.start()
+    go.set()
     checks = 0
-    while any(p.poll() is None for p in procs):
+    while any(p.is_alive() for p in procs):
         if out.exists():  # once there, OUT is always a complete checkpoint (replaced in one step)
             assert (out / "model.safetensors").is_file() and (out / "normswap.json").is_file()
             checks += 1
         time.sleep(0.002)
-    results = []
-    for proc in procs:
-        stdout, stderr = proc.communicate()
-        assert proc.returncode == 0, stderr
-        results.append(json.loads(stdout))
-    assert all(r["ok"] + r["in use"] == saves for r in results) and sum(r["ok"] for r in results) >= 1
-    assert sorted(os.listdir(tmp_path)) == ["go", "out"], os.listdir(tmp_path)
+    counts = [results.get(timeout=10) for _ in procs]
+    assert all(p.exitcode == 0 for p in procs)
+    assert all(c["other"] == [] and c["ok"] + c["in use"] == saves for c in counts), counts
+    assert sum(c["ok"] for c in counts) >= 1
+    assert os.listdir(tmp_path) == ["out"]
     assert strict_json(out / "normswap.json")["writer"] in ("a", "b") and checks > 0
 
 
