@@ -17,6 +17,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -350,6 +351,7 @@ def test_signal_during_save(tmp_path, sig):
 # -- C23: concurrent saves ---------------------------------------------------------------------------------
 def _writer(model, out: Path, go, me: str, saves: int, results) -> None:
     go.wait(60)
+    random.seed(me)
     counts = {"ok": 0, "in use": 0, "other": []}
     for i in range(saves):
         try:
@@ -360,6 +362,7 @@ def _writer(model, out: Path, go, me: str, saves: int, results) -> None:
                 counts["in use"] += 1
             else:
                 counts["other"].append(str(error))
+        time.sleep(random.uniform(0, 0.01))  # pauses give the other writer its turns: saves interleave
     results.put(counts)
 
 
@@ -382,7 +385,7 @@ def test_concurrent_saves_are_safe(tmp_path):
     counts = [results.get(timeout=10) for _ in procs]
     assert all(p.exitcode == 0 for p in procs)
     assert all(c["other"] == [] and c["ok"] + c["in use"] == saves for c in counts), counts
-    assert sum(c["ok"] for c in counts) >= 1
+    assert all(c["ok"] >= 1 for c in counts)
     assert os.listdir(tmp_path) == ["out"]
     assert strict_json(out / "normswap.json")["writer"] in ("a", "b") and checks > 0
 
