@@ -598,3 +598,16 @@ def test_fetch_and_load_smollm2():
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=2, do_sample=False)
     assert tokenizer.decode(out[0, ids.shape[1] :]).strip().startswith("Paris")
+
+
+def test_overwrite_without_atomic_exchange(tmp_path, monkeypatch):
+    """Where paths cannot be exchanged in one step (not Linux), the old output is renamed aside first."""
+    import normswap.io.save as save_module
+
+    monkeypatch.setattr(save_module, "_exchange", lambda a, b: False)
+    model = make_tiny_model("llama")
+    out = tmp_path / "out"
+    save_converted(model, None, _report(run=1), out)
+    save_converted(model, None, _report(run=2), out, overwrite=True)
+    assert json.loads((out / "normswap.json").read_text())["run"] == 2
+    assert os.listdir(tmp_path) == ["out"]
