@@ -49,13 +49,13 @@ class NormSite:
             weight) or ``"fp32"`` (multiply in float32, cast to the input dtype at the end).
         dtype: dtype of the scale parameter (or of the input, for a parameter-free norm), e.g.
             ``"float32"``.
-        compute_dtype: ``"float32"`` when the module normalizes float64 inputs in float32 too (HF's norms,
-            which upcast with ``.to(torch.float32)``/``.float()``); ``None`` when it computes in float64
-            for float64 inputs (``nn.LayerNorm``, ``nn.RMSNorm``). Half precision is always float32.
         consumers: the linear ops that read this norm's output.
         foldable: whether the affine parameters can be folded into ``consumers`` exactly.
         folded: whether convert folded them (the norm then holds its identity parameters).
         reason: why the norm is not foldable or was not folded, ``None`` otherwise.
+        compute_dtype: ``"float32"`` when the module normalizes float64 inputs in float32 too (HF's norms,
+            which upcast with ``.to(torch.float32)``/``.float()``); ``None`` when it computes in float64
+            for float64 inputs (``nn.LayerNorm``, ``nn.RMSNorm``). Half precision is always float32.
     """
 
     name: str
@@ -67,12 +67,12 @@ class NormSite:
     shape: tuple[int, ...]
     cast_order: str
     dtype: str
-    compute_dtype: str | None = None
     consumers: list[Consumer] = field(default_factory=list)
     foldable: bool = False
     folded: bool = False
     swapped: bool = False
     reason: str | None = None
+    compute_dtype: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
