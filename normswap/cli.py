@@ -5,8 +5,8 @@ Exit codes: 0 success, 1 the logits check failed, 2 bad input or usage (one line
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import json
 import os
 import sys
 import time
@@ -55,18 +55,6 @@ def _quiet_transformers() -> None:
     from normswap.io import quiet_loading
 
     quiet_loading()
-
-
-def _write_json(path: str | os.PathLike, data) -> None:
-    """Write ``data`` as indented JSON, through a temporary file beside ``path`` then a rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, path)
-    except OSError as error:
-        tmp.unlink(missing_ok=True)
-        raise NormswapError(f"cannot write {path}: {error.strerror or error}") from error
 
 
 def _load_options(f=None, *, dtype_help="Precision the model is loaded, converted, checked and saved in."):
@@ -171,18 +159,19 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)
     passed = bool(checked.passed)
-    if passed or force:
-        _step(f"saving to {output} ...")
-        io.save_converted(
-            loaded.model,
-            loaded.tokenizer,
-            report_dict,
-            output,
-            overwrite=overwrite,
-            input_path=model,
-        )
+    try:
+        if passed or force:
+            _step(f"saving to {output} ...")
+            io.save_converted(
+                loaded.model, loaded.tokenizer, report_dict, output, overwrite=overwrite, input_path=model
+            )
+    except NormswapError:
+        if report is not None:  # the report still tells what was converted, where it can be written
+            with contextlib.suppress(NormswapError):
+                io.write_json(report, report_dict)
+        raise
     if report is not None:
-        _write_json(report, report_dict)
+        io.write_json(report, report_dict)
     click.echo(_summary(report_dict, output if (passed or force) else None, report))
     if not passed:
         click.echo(
@@ -217,7 +206,7 @@ def inspect(model, dtype, trust_remote_code, json_path):
     if not sites:
         raise NormswapError(f"{model}: no normalization modules found")
     if json_path is not None:
-        _write_json(json_path, [site.to_dict() for site in sites])
+        io.write_json(json_path, [site.to_dict() for site in sites])
     click.echo(_site_table(sites))
 
 
@@ -305,11 +294,17 @@ def zoo(output, only):
     unknown = sorted(set(only) - names)
     if unknown:
         raise NormswapError(f"unknown zoo row(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    if output is not None:
+        from normswap.io import check_output_file
+
+        check_output_file(output)
     entries = [e for e in zoo_lib.ZOO if not only or e.name in only]
     results = zoo_lib.run_zoo(entries, progress=lambda r: _step(f"{r.name}: {'ok' if r.passed else 'FAIL'}"))
     table = zoo_lib.coverage_markdown(results)
     if output is not None:
-        output.write_text(table)
+        from normswap.io import write_text
+
+        write_text(output, table)
         click.echo(f"wrote {output}: {sum(r.passed for r in results)} / {len(results)} rows passed")
     else:
         click.echo(table)

@@ -103,6 +103,7 @@ def inspect(
     return walk(model, trace_inputs(input_ids, example_inputs)).sites
 
 
+@torch.inference_mode(False)  # tensors made here become parameters: never inference tensors (C24)
 def convert(
     model: nn.Module,
     *,
@@ -131,7 +132,8 @@ def convert(
             needed the sites first, e.g. to record a reference, does not trace twice); walked here if None.
 
     Returns:
-        A ``ConvertReport``.
+        A ``ConvertReport``. Every parameter it creates is an ordinary tensor, also when called inside
+        ``torch.inference_mode()``: the converted model can be trained.
 
     Raises:
         ValueError: unknown ``norm``, or both ``input_ids`` and ``example_inputs``.

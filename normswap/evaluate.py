@@ -12,8 +12,6 @@ docs/CHECKING.md).
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -63,14 +61,11 @@ def load_for_eval(source, *, dtype="float32", device_map=None, trust_remote_code
     kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
     config = io.load.load_config(resolved, trust_remote_code=trust_remote_code)
     auto = AutoModelForCausalLM if io.is_causal_lm(config) else AutoModel
+    model = io.load.load_weights(
+        auto, resolved, dtype=io.load.torch_dtype(dtype), device_map=device_map,
+        trust_remote_code=trust_remote_code, **kwargs,
+    )  # fmt: skip
     try:
-        model = auto.from_pretrained(
-            resolved.path,
-            dtype=io.load.torch_dtype(dtype),
-            device_map=device_map,
-            trust_remote_code=trust_remote_code,
-            **kwargs,
-        )
         tok = AutoTokenizer.from_pretrained(resolved.path, **kwargs) if tokenizer else None
     except Exception as error:
         raise NormswapError(f"{source}: cannot load with device_map={device_map!r} ({error})") from error
@@ -200,12 +195,14 @@ def window_record(original, converted, ids: torch.Tensor, index: int) -> torch.T
 
 def summarize(records: torch.Tensor) -> dict:
     """Sum gathered per-window records (any order, one row per window) into the report's metrics."""
+    from normswap.check.metrics import perplexity
+
     records = records[records[:, 0].argsort()]  # window order: the same float64 sums for any K
     sums = dict(zip(_FIELDS, records.sum(0).tolist(), strict=True))
     targets, positions = sums["targets"], sums["positions"]
     return {
-        "ppl_original": math.exp(sums["nll_original"] / targets),
-        "ppl_converted": math.exp(sums["nll_converted"] / targets),
+        "ppl_original": perplexity(sums["nll_original"], targets),
+        "ppl_converted": perplexity(sums["nll_converted"], targets),
         "kl_mean": sums["kl_sum"] / positions,
         "top1_agreement": sums["top1"] / positions,
         "max_abs_logit_diff": records[:, 7].max().item(),
@@ -285,9 +282,11 @@ def eval_command(
     and the results gathered; only the main process prints and writes --report.
     """
     from normswap.check.inputs import check_positions, check_same_model, default_tokens
-    from normswap.io import quiet_loading
+    from normswap.io import check_output_file, quiet_loading, write_json
 
     quiet_loading()
+    if report:
+        check_output_file(report, [model_source, converted])
     acc = make_accelerator()
     original, tokenizer = load_for_eval(
         model_source, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code
@@ -321,7 +320,7 @@ def eval_command(
             **result,
         }  # fmt: skip
         if report:
-            Path(report).write_text(json.dumps(result, indent=2) + "\n")
+            write_json(report, result)
         click.echo(
             f"eval: {result['tokens']} tokens in {result['windows']} windows, "
             f"{result['num_processes']} process(es)\n"

@@ -14,6 +14,7 @@ module, so the model is never touched.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import torch
@@ -177,6 +178,44 @@ def _cast_order(module: nn.Module, site: NormSite, shape: tuple[int, ...], gen: 
     return best
 
 
+def _compute_dtype(module: nn.Module, site: NormSite, shape: tuple[int, ...], gen: torch.Generator):
+    """``"float32"`` when a float64 copy of the module normalizes in float32 (HF's norms upcast with
+    ``.to(torch.float32)`` whatever the input dtype), ``None`` when it computes in float64: whichever of the
+    two fused modules reproduces its float64 output more closely (ties: ``None``)."""
+    from normswap.swap import fused_module
+
+    high = copy.deepcopy(module).double()
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3
+    y = _run(high, x)
+    if y is None:
+        return None
+    errors = {}
+    for compute in (None, "float32"):
+        fused = fused_module(dataclasses.replace(site, compute_dtype=compute), high)
+        out = _run(fused, x)
+        errors[compute] = math.inf if out is None else (out - y).abs().max().item()
+    return "float32" if errors["float32"] < errors[None] else None
+
+
+def nonfinite_tensors(module: nn.Module) -> list[str]:
+    """Names of ``module``'s own float parameters and buffers that hold a NaN or inf."""
+    named = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    return [n for n, t in named if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def _finite_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose non-finite parameter entries hold the median of the finite ones (1.0 if
+    none is finite): a norm with a NaN weight is still a norm, and its semantics can still be measured."""
+    module = copy.deepcopy(module)
+    with torch.no_grad():
+        for name in nonfinite_tensors(module):
+            t = getattr(module, name)
+            bad = ~torch.isfinite(t)
+            good = t[~bad]
+            t[bad] = good.median() if good.numel() else 1.0
+    return module
+
+
 def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = "") -> NormSite | None:
     """Decide by probing whether ``module`` is a norm, and measure its semantics.
 
@@ -187,10 +226,13 @@ def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = ""
 
     Returns:
         A ``NormSite`` (consumers empty, not yet foldable) or ``None`` if the module is not a norm over the
-        last axis with at most a scale and a bias parameter.
+        last axis with at most a scale and a bias parameter. A norm whose parameters hold NaN or inf is
+        probed with those entries replaced by finite ones (``_finite_copy``), so it is still found.
     """
     if not is_candidate(module, input_shape):
         return None
+    if nonfinite_tensors(module):
+        module = _finite_copy(module)
     gen = torch.Generator().manual_seed(0)
     shape = _probe_shape(input_shape)
     probe = copy.deepcopy(module).double().eval()
@@ -248,4 +290,5 @@ def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = ""
         dtype=str(ref_tensor.dtype).removeprefix("torch.") if ref_tensor is not None else "none",
     )
     site.cast_order = _cast_order(module, site, shape, gen)
+    site.compute_dtype = _compute_dtype(module, site, shape, gen)
     return site

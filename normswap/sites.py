@@ -58,6 +58,9 @@ class NormSite:
             with a gate or another input): it is listed but left in place.
         swapped: whether convert replaced the module by a fused one.
         reason: why the norm is not foldable or was not folded, ``None`` otherwise.
+        compute_dtype: ``"float32"`` when the module normalizes float64 inputs in float32 too (HF's norms,
+            which upcast with ``.to(torch.float32)``/``.float()``); ``None`` when it computes in float64
+            for float64 inputs (``nn.LayerNorm``, ``nn.RMSNorm``). Half precision is always float32.
     """
 
     name: str
@@ -76,6 +79,7 @@ class NormSite:
     swappable: bool = True
     swapped: bool = False
     reason: str | None = None
+    compute_dtype: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -23,7 +23,7 @@ def fused_module(site: NormSite, original: nn.Module | None = None) -> nn.Module
     device = tensors[0].device if tensors else None
     dtype = tensors[0].dtype if tensors else (getattr(torch, site.dtype) if site.dtype != "none" else None)
     common = dict(eps=site.eps, offset=site.offset, cast_order=site.cast_order, weight_name=site.weight,
-                  device=device, dtype=dtype)  # fmt: skip
+                  device=device, dtype=dtype, compute_dtype=site.compute_dtype)  # fmt: skip
     if site.kind == "rmsnorm" and site.bias:
         # a LayerNorm that centering turned into an RMSNorm but whose bias could not be folded
         from normswap.center import BiasedRMSNorm

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from normswap import dimmap
-from normswap.probe import is_candidate, probe_module
+from normswap.probe import is_candidate, nonfinite_tensors, probe_module
 from normswap.sites import Consumer, NormSite
 
 _LINEAR_OPS = {"linear", "matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm", "_grouped_mm", "grouped_mm",
@@ -664,20 +664,27 @@ def _is_norm_param(name: str, sites: list[NormSite]) -> bool:
 
 
 def _sites(tracer: _Tracer) -> list[NormSite]:
-    found: list[tuple[SourceCall, NormSite]] = []
+    found: list[tuple[SourceCall, NormSite, nn.Module]] = []
     for call, module in zip(tracer.calls, tracer.module_of_call, strict=True):
         site = probe_module(module, call.input_shape, call.module)
         if site is not None:
-            found.append((call, site))
-    names = {site.name for _, site in found}
+            found.append((call, site, module))
+    names = {site.name for _, site, _ in found}
     sites = []
-    for call, site in found:
+    for call, site, module in found:
         # a parameter-free wrapper around a norm: keep the innermost module only
         if any(other.startswith(site.name + ".") for other in names):
             continue
         site.consumers = [u.consumer for u in call.uses if u.consumer is not None]
         reasons = [u.reason for u in call.uses if u.reason is not None]
         site.foldable, site.reason = _foldability(site, call, reasons)
+        broken = nonfinite_tensors(module)
+        if broken:  # listed, never folded: its NaN/inf would spread into every consumer
+            site.foldable, site.reason = False, f"{broken[0]} not finite"
+        elif site.foldable and site.dtype == "float64" and site.compute_dtype and site.cast_order == "fp32":
+            # a float64 fold would skip the float32 rounding of the weight product: off by ~1e-7 relative
+            site.foldable = False
+            site.reason = "multiplies by its weight in float32 inside a float64 model: a fold is not exact"
         sites.append(site)
     return sites
 

@@ -492,7 +492,7 @@ def test_save_failure_leaves_nothing(tmp_path):
             (Path(path) / "tokenizer.json").write_text("{")
             raise OSError(28, "No space left on device")
 
-    with pytest.raises(NormswapError, match="No space left on device") as error:
+    with pytest.raises(NormswapError, match="cannot write .*out: no space left on device") as error:
         save_converted(model, BrokenTokenizer(), _report(), tmp_path / "out")
     _one_line(error)
     assert list(tmp_path.iterdir()) == []
@@ -517,7 +517,7 @@ def test_overwrite_guard(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(NormswapError, match="already exists; pass --overwrite") as error:
+    with pytest.raises(NormswapError, match="already exists; pass overwrite=True") as error:
         save_converted(model, None, _report(), out)
     _one_line(error)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
@@ -620,3 +620,16 @@ def test_fetch_and_load_smollm2():
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=2, do_sample=False)
     assert tokenizer.decode(out[0, ids.shape[1] :]).strip().startswith("Paris")
+
+
+def test_overwrite_without_atomic_exchange(tmp_path, monkeypatch):
+    """Where paths cannot be exchanged in one step (not Linux), the old output is renamed aside first."""
+    import normswap.io.save as save_module
+
+    monkeypatch.setattr(save_module, "_exchange", lambda a, b: False)
+    model = make_tiny_model("llama")
+    out = tmp_path / "out"
+    save_converted(model, None, _report(run=1), out)
+    save_converted(model, None, _report(run=2), out, overwrite=True)
+    assert json.loads((out / "normswap.json").read_text())["run"] == 2
+    assert os.listdir(tmp_path) == ["out"]

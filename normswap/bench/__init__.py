@@ -11,7 +11,6 @@ measured numbers: docs/KERNELS.md.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from normswap.bench.report import (
     machine_info,
     write_results,
 )
+from normswap.io.save import check_output_dir
 
 __all__ = [
     "CPU_TARGET_RATIO",
@@ -91,10 +91,10 @@ def run(
         ValueError: nothing to run (no kernels, no model), ``rounds``/``model_rounds``/``model_copies``/
             ``threads`` below 1, a dtype that is not a floating-point dtype, a device other than cpu or an
             available cuda (or not cpu with ``model``: the model level times on the CPU), an unknown or
-            empty list of backends or one the device cannot run (triton off cuda), an ``out_dir`` that is a
-            file or cannot be created (nothing is created before the results are written).
-        normswap.errors.NormswapError: ``model`` does not resolve (checked first), or cannot be loaded or
-            converted.
+            empty list of backends or one the device cannot run (triton off cuda).
+        normswap.errors.NormswapError: an ``out_dir`` that is a file, cannot be created or lies in
+            ``model`` (see ``normswap.io.check_output_dir``; nothing is created before the results are
+            written); ``model`` does not resolve (checked first), or cannot be loaded or converted.
     """
     if not kernels and not model:
         raise ValueError("nothing to run: without the kernel grid (--no-kernels), name a --model to time")
@@ -105,7 +105,7 @@ def run(
     check_kernel_args(device, dtypes, backends)
     if model and torch.device(device).type != "cpu":
         raise ValueError(f"the model-level timing runs on the CPU only; drop --device {device} with --model")
-    _check_out_dir(Path(out_dir))
+    check_output_dir(out_dir, [model] if model else [], overwrite=True)  # may exist; never in the model
     if model:
         from normswap.io.load import resolve
 
@@ -133,16 +133,3 @@ def run(
     for path in paths:
         log(f"wrote {path}")
     return rows, model_rows, paths
-
-
-def _check_out_dir(out: Path) -> None:
-    """``out`` is a directory, or can be created as one, writable; nothing is created here."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out}: not a directory")
-    parent = out
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"cannot create {out}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot write into {parent}: permission denied")

@@ -3,12 +3,13 @@ the JSON and the PNG chart."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 from pathlib import Path
 
 import torch
+
+from normswap.io.files import write_json
 
 
 def _cpuinfo(field: str) -> str | None:
@@ -137,7 +138,7 @@ def write_results(
     info = info or {}
     targets = check_targets(rows, info.get("device", "cpu"))
     doc = {"machine": info, "results": rows, "targets": targets, "model": model_rows or []}
-    path.write_text(json.dumps(doc, indent=2))
+    write_json(path, doc)
     written = [path]
     png = _plot(rows, out / "norm_kernels.png")
     if png is not None:
@@ -177,6 +178,11 @@ def _plot(rows: list[dict], path: Path) -> Path | None:
     for ax in list(axes.flat)[len(configs) :]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=90)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
     return path

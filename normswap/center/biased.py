@@ -29,20 +29,21 @@ class BiasedRMSNorm(FusedRMSNorm):
 
     def __init__(self, shape, eps: float, offset: float = 0.0, cast_order: str = "fp32",
                  weight_name: str | None = "weight", bias_name: str = "bias", device=None, dtype=None,
-                 backend: str | None = None) -> None:  # fmt: skip
-        super().__init__(shape, eps, offset, cast_order, weight_name, device, dtype, backend)
+                 backend: str | None = None, compute_dtype: str | None = None) -> None:  # fmt: skip
+        super().__init__(shape, eps, offset, cast_order, weight_name, device, dtype, backend, compute_dtype)
         self.bias_name = bias_name
         self.register_parameter(bias_name, nn.Parameter(torch.zeros(self.shape, device=device, dtype=dtype)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self._params()
+        x, w, b, back = self._precision(x, *self._params())
         if self.cast_order == "llama":
-            return rms_norm(x, w, self.eps, self.offset, "llama", self.backend) + b
+            y = rms_norm(x, w, self.eps, self.offset, "llama", self.backend) + b
+            return y if back is None else y.to(back)
         compute = torch.promote_types(x.dtype, torch.float32)
         y = rms_norm(
             x.to(compute), None if w is None else w.to(compute), self.eps, self.offset, "fp32", self.backend
         )
-        return (y + b.to(compute)).to(x.dtype)
+        return (y + b.to(compute)).to(back or x.dtype)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", bias_name={self.bias_name!r}"

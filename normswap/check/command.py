@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -63,7 +62,7 @@ def check_command(
         text_ids,
     )
     from normswap.evaluate import load_for_eval, read_text
-    from normswap.io import check_output_file, load, quiet_loading, resolve
+    from normswap.io import check_output_file, load, quiet_loading, resolve, write_json
 
     quiet_loading()
     if report:
@@ -97,7 +96,7 @@ def check_command(
     except (ValueError, KeyError, AttributeError) as error:  # a model of another architecture
         raise NormswapError(f"{converted}: {error}") from error
     if report:
-        Path(report).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        write_json(report, result.to_dict())
     click.echo(result.summary())
     if not result.passed:
         raise SystemExit(1)

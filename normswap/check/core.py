@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from normswap.errors import NormswapError
+
 from .localize import Capture, Probe, localize, plan_probes, rel_errors
 from .metrics import (
     LogitSummary,
@@ -186,6 +188,19 @@ def upcast(model: torch.nn.Module):
             t.data = data
 
 
+def _refuse_nonfinite(outputs: torch.Tensor, input_ids: torch.Tensor, kind: str, what: str) -> None:
+    """Raise when the original model's ``(B*T, V)`` outputs hold a NaN or inf: nothing can be checked."""
+    bad = ~torch.isfinite(outputs)
+    if not bad.any():
+        return
+    rows = bad.any(-1).nonzero().flatten()
+    batch, pos = divmod(int(rows[0]), input_ids.shape[1])
+    raise NormswapError(
+        f"the original model's {kind}{what} are not finite ({int(bad.sum())} NaN or infinite values, "
+        f"first at batch {batch} position {pos}): the input model is broken, there is nothing to check"
+    )
+
+
 def _keep(outputs: torch.Tensor, targets: torch.Tensor, kind: str, max_bytes: int):
     if kind == "logits" and outputs.numel() * outputs.element_size() > max_bytes:
         return None, summarize_logits(outputs, targets)
@@ -237,6 +252,8 @@ def reference_outputs(
 
     Raises:
         ValueError: if ``input_ids`` is not a 2-D integer tensor with at least 2 positions.
+        NormswapError: the original's outputs hold a NaN or inf (a broken input model: no conversion of
+            it can be checked); the line names the count and the first position.
     """
     if input_ids.ndim != 2 or input_ids.is_floating_point() or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be a (B, T>=2) integer tensor, got {tuple(input_ids.shape)}")
@@ -246,11 +263,13 @@ def reference_outputs(
     probes = plan_probes(model, sites) if sites else []
     with Capture(model, probes, input_ids) as cap:
         kind, outputs = _forward(model, input_ids)
+    _refuse_nonfinite(outputs, input_ids, kind, "")
     ref = Reference(input_ids, kind, dtype, *_keep(outputs, targets, kind, max_logits_bytes))
     ref.probes, ref.captures, ref.sites = probes, cap.records, list(sites or [])
     if dtype in HALF:
         with upcast(model), Capture(model, probes, input_ids) as cap32:
             _, up = _forward(model, input_ids)
+        _refuse_nonfinite(up, input_ids, kind, " in float32")
         ref.captures_error = rel_errors(cap32.records, ref.captures)
         ref.captures = cap32.records
         ref.original_error = _metrics(kind, up, outputs, targets)

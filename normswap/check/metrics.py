@@ -45,6 +45,16 @@ def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
     return targets.reshape(-1).cpu()
 
 
+def worse(a: float, b: float) -> float:
+    """``max(a, b)`` that keeps a NaN (Python's ``max`` drops one depending on the order)."""
+    return a + b if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+def count_nonfinite(t: torch.Tensor) -> int:
+    """Number of NaN or infinite elements of ``t``."""
+    return int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+
+
 def _chunk_rows(vocab: int) -> int:
     return max(1, 2**22 // max(vocab, 1))  # 32 MiB per float64 temporary: peak memory stays low
 
@@ -88,21 +98,25 @@ def logit_metrics(ref: torch.Tensor | LogitSummary, conv: torch.Tensor, targets:
         ``rows``,
         ``exact`` (False for a summary reference: then abs/rel differences are over the reference's top-k
         tokens only and KL is over the partition {top-k tokens, the rest}, a lower bound of the true KL
-        by the data-processing inequality).
+        by the data-processing inequality), ``nonfinite_ref``/``nonfinite_conv`` (NaN or inf elements;
+        every other metric then carries a NaN or inf too, never a finite value that hides them).
     """
     full = isinstance(ref, torch.Tensor)
     n, vocab = conv.shape
     acc = dict(max_abs=0.0, sum_abs=0.0, n_abs=0, max_rel=0.0, kl_sum=0.0, kl_max=0.0, top1=0, top5=0.0)
+    bad_ref = bad_conv = 0
     nll_ref = nll_conv = 0.0
     n_targets = 0
     flip_margins: list[torch.Tensor] = []
     step = _chunk_rows(vocab)
     for s in range(0, n, step):
         b = conv[s : s + step].double()
+        bad_conv += count_nonfinite(b)
         tg = targets[s : s + step]
         lse_b = torch.logsumexp(b, dim=-1)
         if full:
             a = ref[s : s + step].double()
+            bad_ref += count_nonfinite(a)
             lse_a = torch.logsumexp(a, dim=-1)
             top_a, idx_a = a.topk(min(5, vocab), dim=-1)
             diff = b - a
@@ -115,6 +129,7 @@ def logit_metrics(ref: torch.Tensor | LogitSummary, conv: torch.Tensor, targets:
         else:
             idx_a = ref.top_idx[s : s + step]
             top_a = ref.top_logit[s : s + step]
+            bad_ref += count_nonfinite(top_a)
             lse_a = ref.lse[s : s + step]
             b_sel = b.gather(1, idx_a)
             diff = (b_sel - top_a).abs()
@@ -127,12 +142,12 @@ def logit_metrics(ref: torch.Tensor | LogitSummary, conv: torch.Tensor, targets:
             kl = (lp_a.exp() * (lp_a - lp_b)).sum(-1) + rest_term
             tlp_a = ref.target_logprob[s : s + step]
         row_max = diff.amax(dim=-1)
-        acc["max_abs"] = max(acc["max_abs"], row_max.max().item())
+        acc["max_abs"] = worse(acc["max_abs"], row_max.max().item())
         acc["sum_abs"] += diff.sum().item()
         acc["n_abs"] += diff.numel()
-        acc["max_rel"] = max(acc["max_rel"], (row_max / scale.clamp(min=1e-30)).max().item())
+        acc["max_rel"] = worse(acc["max_rel"], (row_max / scale.clamp(min=1e-30)).max().item())
         acc["kl_sum"] += kl.sum().item()
-        acc["kl_max"] = max(acc["kl_max"], kl.max().item())
+        acc["kl_max"] = worse(acc["kl_max"], kl.max().item())
         idx_b5 = b.topk(min(5, vocab), dim=-1).indices
         same = idx_b5[:, 0] == idx_a[:, 0]
         acc["top1"] += int(same.sum())
@@ -157,11 +172,14 @@ def logit_metrics(ref: torch.Tensor | LogitSummary, conv: torch.Tensor, targets:
         "n_targets": n_targets,
         "rows": n,
         "exact": full,
+        "nonfinite_ref": bad_ref,
+        "nonfinite_conv": bad_conv,
     }
 
 
 def hidden_metrics(ref: torch.Tensor, conv: torch.Tensor) -> dict:
-    """Compare ``(N, D)`` hidden states (encoders without logits): max/mean abs and max per-row relative."""
+    """Compare ``(N, D)`` hidden states (encoders without logits): max/mean abs, max per-row relative, and
+    the NaN/inf counts ``nonfinite_ref``/``nonfinite_conv`` (a NaN propagates into every metric)."""
     diff = (conv.double() - ref.double()).abs()
     row_max = diff.amax(dim=-1)
     scale = ref.double().abs().amax(dim=-1).clamp(min=1e-30)
@@ -171,9 +189,17 @@ def hidden_metrics(ref: torch.Tensor, conv: torch.Tensor) -> dict:
         "max_rel": (row_max / scale).max().item(),
         "rows": ref.shape[0],
         "exact": True,
+        "nonfinite_ref": count_nonfinite(ref),
+        "nonfinite_conv": count_nonfinite(conv),
     }
 
 
 def perplexity(nll_sum: float, count: int) -> float | None:
-    """``exp(sum NLL / count)``; ``None`` when there is no target."""
-    return math.exp(nll_sum / count) if count else None
+    """``exp(sum NLL / count)``; ``inf`` where that overflows a float (a mean NLL above about 709.78
+    nats), NaN for a NaN NLL, ``None`` when there is no target."""
+    if not count:
+        return None
+    try:
+        return math.exp(nll_sum / count)
+    except OverflowError:
+        return math.inf

@@ -3,8 +3,10 @@
 * ``load_model(source, dtype=..., trust_remote_code=...)`` -> ``LoadedModel(model, tokenizer, info)``
 * ``save_converted(model, tokenizer, report, out_dir, overwrite=False)`` (atomic)
 * ``load_pretrained(path)`` -> model with normswap's fused norms in place
+* ``write_json(path, data)`` / ``write_text(path, text)``: atomic, strict JSON (``normswap.io.files``)
 """
 
+from normswap.io.files import to_json, write_json, write_text
 from normswap.io.load import (
     LoadedModel,
     ModelInfo,
@@ -45,4 +47,7 @@ __all__ = [
     "report_dict",
     "resolve",
     "save_converted",
+    "to_json",
+    "write_json",
+    "write_text",
 ]

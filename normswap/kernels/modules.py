@@ -27,6 +27,7 @@ class _FusedNorm(nn.Module):
         device=None,
         dtype=None,
         backend: str | None = None,
+        compute_dtype: str | None = None,
     ) -> None:
         super().__init__()
         shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
@@ -38,6 +39,8 @@ class _FusedNorm(nn.Module):
             raise ValueError(f"offset={offset} needs a weight; a parameter-free norm has offset 0")
         if backend is not None:
             ops.resolve_backend(backend)
+        if compute_dtype not in (None, "float32"):
+            raise ValueError(f"compute_dtype must be None or 'float32', got {compute_dtype!r}")
         self.shape = shape
         self.normalized_shape = (shape[-1],)
         self.eps = float(eps)
@@ -46,6 +49,7 @@ class _FusedNorm(nn.Module):
         self.weight_name = weight_name
         self.bias_name = bias_name
         self.backend = backend
+        self.compute_dtype = compute_dtype
         factory = {"device": device, "dtype": dtype}
         if weight_name is not None:
             self.register_parameter(weight_name, nn.Parameter(torch.empty(shape, **factory)))
@@ -66,6 +70,18 @@ class _FusedNorm(nn.Module):
         b = getattr(self, self.bias_name) if self.bias_name is not None else None
         return w, b
 
+    def _precision(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None):
+        """``(x, w, b, back)`` as the op should see them: for a float64 input of a module that computes in
+        float32 (``compute_dtype="float32"``, as HF's ``LlamaRMSNorm``/``GemmaRMSNorm``), ``x`` in float32,
+        the parameters in float32 where the cast order multiplies in float32 (``"fp32"``), and
+        ``back = torch.float64``, the dtype to return; otherwise everything unchanged and ``back=None``."""
+        if self.compute_dtype != "float32" or x.dtype != torch.float64:
+            return x, w, b, None
+        if self.cast_order == "fp32":
+            w = None if w is None else w.float()
+            b = None if b is None else b.float()
+        return x.float(), w, b, x.dtype
+
     def extra_repr(self) -> str:
         s = f"{self.shape}, eps={self.eps}, offset={self.offset}, cast_order={self.cast_order!r}"
         if self.weight_name != "weight":
@@ -74,6 +90,8 @@ class _FusedNorm(nn.Module):
             s += f", bias_name={self.bias_name!r}"
         if self.backend is not None:
             s += f", backend={self.backend!r}"
+        if self.compute_dtype is not None:
+            s += f", compute_dtype={self.compute_dtype!r}"
         return s
 
 
@@ -91,6 +109,8 @@ class FusedRMSNorm(_FusedNorm):
         weight_name: attribute name of the scale parameter; None for a parameter-free norm.
         device, dtype: of the parameter (initialized to the identity, ``1 - offset``).
         backend: force a backend (see ``ops.BACKENDS``); None = ``$NORMSWAP_BACKEND`` or ``"auto"``.
+        compute_dtype: ``"float32"`` to normalize float64 inputs in float32 as HF's norms do (their
+            ``.to(torch.float32)``), returning float64; ``None`` computes float64 inputs in float64.
 
     Forward: ``x`` of shape ``(..., D)`` (trailing dims matching ``shape``) -> same shape; dtype as
     ``rms_norm``.
@@ -111,12 +131,16 @@ class FusedRMSNorm(_FusedNorm):
         device=None,
         dtype=None,
         backend: str | None = None,
+        compute_dtype: str | None = None,
     ) -> None:
-        super().__init__(shape, eps, offset, cast_order, weight_name, None, device, dtype, backend)
+        super().__init__(
+            shape, eps, offset, cast_order, weight_name, None, device, dtype, backend, compute_dtype
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, _ = self._params()
-        return ops.rms_norm_unchecked(x, w, self.eps, self.offset, self.cast_order, self.backend)
+        x, w, _, back = self._precision(x, *self._params())
+        y = ops.rms_norm_unchecked(x, w, self.eps, self.offset, self.cast_order, self.backend)
+        return y if back is None else y.to(back)
 
 
 class FusedLayerNorm(_FusedNorm):
@@ -126,7 +150,8 @@ class FusedLayerNorm(_FusedNorm):
     ``"fp32"`` (as ``nn.LayerNorm``, ``CohereLayerNorm``, OLMo's parameter-free norm) or ``"llama"``.
 
     Args:
-        shape, eps, offset, cast_order, weight_name, device, dtype, backend: as ``FusedRMSNorm``.
+        shape, eps, offset, cast_order, weight_name, device, dtype, backend, compute_dtype: as
+            ``FusedRMSNorm``.
         bias_name: attribute name of the bias parameter; None when the module has no bias.
 
     Raises:
@@ -146,9 +171,13 @@ class FusedLayerNorm(_FusedNorm):
         device=None,
         dtype=None,
         backend: str | None = None,
+        compute_dtype: str | None = None,
     ) -> None:
-        super().__init__(shape, eps, offset, cast_order, weight_name, bias_name, device, dtype, backend)
+        super().__init__(
+            shape, eps, offset, cast_order, weight_name, bias_name, device, dtype, backend, compute_dtype
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self._params()
-        return ops.layer_norm_unchecked(x, w, b, self.eps, self.offset, self.cast_order, self.backend)
+        x, w, b, back = self._precision(x, *self._params())
+        y = ops.layer_norm_unchecked(x, w, b, self.eps, self.offset, self.cast_order, self.backend)
+        return y if back is None else y.to(back)
