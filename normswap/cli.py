@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -126,8 +127,18 @@ def main() -> None:
     is_flag=True,
     help="Keep tied embeddings shared: do not fold the final norm into a tied lm_head.",
 )
-def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force, overwrite, no_untie):
-    """Fold and swap every norm of MODEL, check the logits, save to --output."""
+@click.option(
+    "--tokenizer",
+    "tokenizer_name",
+    metavar="NAME_OR_DIR",
+    default=None,
+    help="Tokenizer for the check's text (hub id or directory) [default: MODEL's own; without one, the "
+    "check runs on ids drawn from the vocabulary with a fixed seed].",
+)
+def convert(
+    model, output, report, norm, dtype, trust_remote_code, tokens, force, overwrite, no_untie, tokenizer_name
+):
+    """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
     from normswap import io
     from normswap.check import compare, reference_outputs
     from normswap.convert import convert as convert_model
@@ -139,9 +150,11 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
         io.check_output_file(report, [model], output)
     t0 = time.perf_counter()
     _step(f"loading {model} ({dtype}) ...")
-    loaded = io.load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
+    loaded = io.load_model(
+        model, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer_name or True
+    )
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
-    input_ids = _check_ids(model, loaded, tokens)
+    input_ids, check_input = _check_ids(model, loaded, tokens)
     _step("finding the norms and their consumers ...")
     traced = walk(loaded.model, input_ids)
     if not traced.sites:
@@ -154,9 +167,12 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
     checked = compare(reference, loaded.model, input_ids)
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)
+    report_dict["check_input"] = check_input
     passed = bool(checked.passed)
-    if passed or force:
+    saved = passed or force
+    if saved:
         _step(f"saving to {output} ...")
+        expected = io.record_expected(loaded.model, input_ids)
         io.save_converted(
             loaded.model,
             loaded.tokenizer,
@@ -165,19 +181,32 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
             overwrite=overwrite,
             input_path=model,
         )
+        del traced, reference
+        loaded.model = None  # the fresh load below then needs one model's memory, not two
+        _step(f"verifying {output} by a fresh load ...")
+        verified = io.verify_saved(output, expected, trust_remote_code=trust_remote_code)
+        report_dict["verify"] = verified.to_dict()
+        if not verified.passed and not force:
+            shutil.rmtree(output, ignore_errors=True)
+            saved = False
+        else:
+            _write_json(Path(output) / io.MANIFEST, report_dict)
     if report is not None:
         _write_json(report, report_dict)
-    click.echo(_summary(report_dict, output if (passed or force) else None, report))
-    if not passed:
+    click.echo(_summary(report_dict, output if saved else None, report))
+    verify_failed = not report_dict.get("verify", {}).get("passed", True)
+    if not passed or verify_failed:
+        what = "check FAILED" if not passed else "verification of the saved checkpoint FAILED"
         click.echo(
-            "normswap: check FAILED" + ("; saved anyway (--force)" if force else "; nothing saved"), err=True
+            f"normswap: {what}" + ("; saved anyway (--force)" if force else "; nothing saved"), err=True
         )
         raise SystemExit(1)
 
 
 def _check_ids(model: str, loaded, tokens: int | None):
-    """The check's token ids for ``loaded``; bad tokenizers and over-long requests are bad input (exit 2)."""
-    from normswap.check import default_input_ids
+    """The check's token ids for ``loaded`` and how they were made (for the report); bad tokenizers and
+    over-long requests are bad input (exit 2). Without a tokenizer: ids drawn from the vocabulary."""
+    from normswap.check import VOCABULARY_SEED, default_input_ids, vocabulary_ids
 
     config = loaded.model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -186,10 +215,21 @@ def _check_ids(model: str, loaded, tokens: int | None):
         tokens = min(512, limit) if isinstance(limit, int) and limit >= 2 else 512
     elif isinstance(limit, int) and tokens > limit:
         raise NormswapError(f"--tokens {tokens} exceeds {model}'s max_position_embeddings ({limit})")
+    if loaded.tokenizer is None:
+        vocab = getattr(text, "vocab_size", None)
+        if not isinstance(vocab, int) or vocab < 2:
+            raise NormswapError(
+                f"{model}: no tokenizer files and no vocab_size in its config; pass --tokenizer"
+            )
+        ids = vocabulary_ids(vocab, tokens, seed=VOCABULARY_SEED)
+        return ids, {"source": "vocabulary", "vocab_size": vocab, "seed": VOCABULARY_SEED,
+                     "reason": "no tokenizer files"}  # fmt: skip
     try:
-        return default_input_ids(loaded.tokenizer, tokens)
+        ids = default_input_ids(loaded.tokenizer, tokens)
     except ValueError as error:
         raise NormswapError(f"{model}: {error}") from error
+    tokenizer = getattr(loaded.tokenizer, "name_or_path", None) or loaded.info.path
+    return ids, {"source": "text", "tokenizer": str(tokenizer)}
 
 
 @main.command()
@@ -249,6 +289,27 @@ def _tolerance_text(tol: dict, output_name: str = "logit") -> str:
     return ", ".join(parts)
 
 
+def _size(nbytes: int) -> str:
+    """``32768`` -> ``"32.0 KiB"``: bytes in the largest binary unit that keeps the number at least 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _verify_line(verify: dict) -> str:
+    """The ``verified:`` line: what the fresh load of the saved directory reproduced, or why it failed."""
+    if not verify.get("passed"):
+        return "FAILED: " + "; ".join(verify.get("failures", [])[:3])
+    plain = verify.get("max_abs_diff_plain") or 0
+    plain_text = f" ({plain:.3g} with transformers' own norms)" if plain else ""
+    note = f"; {verify['note']}" if verify.get("note") else ""
+    return (
+        f"fresh load as {verify['architecture']}, {verify['tensors']} tensors bit-identical, "
+        f"{verify['output']} on {verify['tokens']} tokens identical{plain_text}{note}"
+    )
+
+
 def _summary(report: dict, output: Path | None, report_path: Path | None) -> str:
     """The short human summary printed after ``convert``: norms, untying, check numbers, where things went."""
     lines = [
@@ -258,8 +319,13 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
     ]
     untied = report.get("untied") or []
     if untied:
-        extra = report.get("untie_bytes") or 0
-        lines.append(f"untied:   {', '.join(untied)} (+{extra / 2**20:.1f} MiB)")
+        lines.append(f"untied:   {', '.join(untied)} (+{_size(report.get('untie_bytes') or 0)})")
+    check_input = report.get("check_input") or {}
+    if check_input.get("source") == "vocabulary":
+        lines.append(
+            f"input:    ids drawn from the vocabulary ({check_input['vocab_size']} ids, torch seed "
+            f"{check_input['seed']}): {check_input['reason']}; --tokenizer gives real text"
+        )
     check = report.get("check") or {}
     if check:
         output_name = {"logits": "logit", "last_hidden_state": "hidden state"}.get(
@@ -280,6 +346,9 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
             lines.append(f"          first divergence: {check['divergence'].get('description')}")
     if output is not None:
         lines.append(f"saved:    {output}")
+    verify = report.get("verify")
+    if verify:
+        lines.append(f"verified: {_verify_line(verify)}")
     if report_path is not None:
         lines.append(f"report:   {report_path}")
     return "\n".join(lines)

@@ -3,9 +3,21 @@
 * ``load_model(source, dtype=..., trust_remote_code=...)`` -> ``LoadedModel(model, tokenizer, info)``
 * ``save_converted(model, tokenizer, report, out_dir, overwrite=False)`` (atomic)
 * ``load_pretrained(path)`` -> model with normswap's fused norms in place
+* ``record_expected(model, input_ids)`` before saving, ``verify_saved(path, expected)`` after: a fresh load
+  of the saved directory reproduces the class, tensors and outputs that were checked
 """
 
-from normswap.io.load import LoadedModel, ModelInfo, Resolved, is_causal_lm, load_model, resolve
+from normswap.io.adapters import is_peft_model, plain_model
+from normswap.io.load import (
+    LoadedModel,
+    ModelInfo,
+    Resolved,
+    auto_class_name,
+    is_causal_lm,
+    load_model,
+    load_tokenizer,
+    resolve,
+)
 from normswap.io.save import (
     MANIFEST,
     check_output_dir,
@@ -17,10 +29,19 @@ from normswap.io.save import (
     save_converted,
 )
 from normswap.io.shortnames import SHORT_MODELS, cache_dir, fetch
+from normswap.io.verify import Expected, VerifyResult, record_expected, verify_saved
 
 __all__ = [
     "MANIFEST",
     "SHORT_MODELS",
+    "Expected",
+    "VerifyResult",
+    "auto_class_name",
+    "is_peft_model",
+    "load_tokenizer",
+    "plain_model",
+    "record_expected",
+    "verify_saved",
     "LoadedModel",
     "ModelInfo",
     "Resolved",

@@ -23,7 +23,8 @@ import torch
 
 from normswap.errors import NormswapError
 from normswap.io import shortnames
-from normswap.io.load import ModelInfo, _load_failure, is_causal_lm, load_config, resolve, torch_dtype
+from normswap.io.adapters import plain_model
+from normswap.io.load import ModelInfo, _load_failure, auto_class_name, load_config, resolve, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +215,10 @@ def save_converted(
     weights are saved by ``save_pretrained`` as safetensors in the model's own architecture format
     (GGUF-loaded models as a plain float checkpoint, see ``plain_float_checkpoint``); tied parameters
     are written once, an untied ``lm_head`` (``config.tie_word_embeddings = False``) as its own tensor.
-    The caller's model is left as it was.
+    The caller's model is left as it was. A PEFT model (``peft.PeftModel``) is saved as the plain model it
+    computes: a copy merged with peft's ``merge_and_unload`` (one more model in memory during the save);
+    ``report["saved_as"]`` then says so (the dict is updated in place, so a ``--report`` written after
+    the save says it too).
 
     Args:
         model: a transformers ``PreTrainedModel``.
@@ -228,10 +232,14 @@ def save_converted(
         the absolute output directory.
 
     Raises:
-        NormswapError: see ``check_output_dir`` and ``plain_float_checkpoint``; also when the disk refuses
-            the write (the one line names the OS error).
+        NormswapError: see ``check_output_dir``, ``plain_float_checkpoint`` and
+            ``normswap.io.adapters.plain_model`` (all before anything is written); also when the disk
+            refuses the write (the one line names the OS error).
     """
     out = check_output_dir(out_dir, input_path, overwrite=overwrite)
+    model, note = plain_model(model)  # a PEFT model: a merged copy, freed when this returns
+    if note is not None:
+        report["saved_as"] = note
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         built = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
@@ -277,9 +285,10 @@ def load_pretrained(
 ) -> torch.nn.Module:
     """Load a checkpoint written by ``normswap convert`` with its fused norm modules in place.
 
-    The weights load with plain transformers (``AutoModelForCausalLM`` for causal LMs, ``AutoModel``
-    otherwise); then every site the manifest marks ``swapped`` is rebuilt with ``NormSite.from_dict`` and
-    ``normswap.swap.swap_norms`` installs the fused modules under the same module names.
+    The weights load with plain transformers (the Auto class of ``normswap.io.load.auto_class_name``:
+    the model's own head); then every site the manifest marks ``swapped`` is rebuilt with
+    ``NormSite.from_dict`` and ``normswap.swap.swap_norms`` installs the fused modules under the same
+    module names.
 
     Args:
         path: the checkpoint directory.
@@ -293,7 +302,7 @@ def load_pretrained(
     Raises:
         NormswapError: not a normswap checkpoint, or transformers cannot load it.
     """
-    from transformers import AutoModel, AutoModelForCausalLM
+    import transformers
 
     from normswap.sites import NormSite
     from normswap.swap import swap_norms
@@ -301,7 +310,7 @@ def load_pretrained(
     manifest = read_manifest(path)
     resolved = resolve(path, download=False)
     config = load_config(resolved, trust_remote_code=trust_remote_code)
-    auto = AutoModelForCausalLM if is_causal_lm(config) else AutoModel
+    auto = getattr(transformers, auto_class_name(config))
     if dtype is not None:
         kwargs["dtype"] = torch_dtype(dtype)
     else:
