@@ -22,6 +22,41 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     return any(c.__name__ == "PeftModel" and c.__module__.startswith("peft") for c in type(model).__mro__)
 
 
+def _base_prefix(model: torch.nn.Module) -> str:
+    """``"base_model.model."``: where a PEFT model holds the transformers model, in module names."""
+    base = model.get_base_model()
+    return next((f"{name}." for name, module in model.named_modules() if module is base and name), "")
+
+
+def _renamed(report: dict, prefix: str) -> dict:
+    """``report`` with the site and parameter names the merged model has (``prefix`` removed)."""
+
+    def strip(name: str) -> str:
+        return name.removeprefix(prefix)
+
+    sites = []
+    for site in report.get("sites", []):
+        site = dict(site, name=strip(site["name"]))
+        site["consumers"] = [strip(c) for c in site.get("consumers", [])]
+        site["consumer_ops"] = [dict(op, module=strip(op["module"])) for op in site.get("consumer_ops", [])]
+        sites.append(site)
+    return report | {"sites": sites, "untied": [strip(n) for n in report.get("untied", [])]}
+
+
+def plain_manifest(model: torch.nn.Module, report: dict) -> tuple[torch.nn.Module, dict]:
+    """``(model to save, manifest to save beside it)`` for ``save_converted``.
+
+    For a PEFT model: the merged copy (see ``plain_model``) and ``report`` with ``saved_as`` (also set in
+    ``report`` itself) and the site names of the merged model (PEFT's ``base_model.model.`` prefix
+    removed), so ``load_pretrained`` finds the norms; otherwise ``model`` and ``report`` unchanged.
+    """
+    plain, note = plain_model(model)
+    if note is None:
+        return model, report
+    report["saved_as"] = note
+    return plain, _renamed(report, _base_prefix(model))
+
+
 def plain_model(model: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
     """``(model to save, note)``: ``model`` itself and ``None``, or for a PEFT model a merged copy (eval
     mode) and ``MERGED_NOTE``. The copy costs one more model in memory while the caller holds it.

@@ -23,7 +23,7 @@ import torch
 
 from normswap.errors import NormswapError
 from normswap.io import shortnames
-from normswap.io.adapters import plain_model
+from normswap.io.adapters import plain_manifest
 from normswap.io.load import ModelInfo, _load_failure, auto_class_name, load_config, resolve, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def save_converted(
     The caller's model is left as it was. A PEFT model (``peft.PeftModel``) is saved as the plain model it
     computes: a copy merged with peft's ``merge_and_unload`` (one more model in memory during the save);
     ``report["saved_as"]`` then says so (the dict is updated in place, so a ``--report`` written after
-    the save says it too).
+    the save says it too) and ``normswap.json`` names the sites as the merged model does.
 
     Args:
         model: a transformers ``PreTrainedModel``.
@@ -237,9 +237,7 @@ def save_converted(
             refuses the write (the one line names the OS error).
     """
     out = check_output_dir(out_dir, input_path, overwrite=overwrite)
-    model, note = plain_model(model)  # a PEFT model: a merged copy, freed when this returns
-    if note is not None:
-        report["saved_as"] = note
+    model, manifest = plain_manifest(model, report)  # a PEFT model: a merged copy, freed on return
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         built = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
@@ -250,7 +248,7 @@ def save_converted(
             model.save_pretrained(built)
         if tokenizer is not None:
             tokenizer.save_pretrained(built)
-        (built / MANIFEST).write_text(json.dumps(report, indent=2) + "\n")
+        (built / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         apply_umask(built)
         _replace_dir(built, out, overwrite)
     except OSError as error:
