@@ -95,8 +95,9 @@ class VerifyResult:
 
 def _release_freed_memory() -> None:
     """Collect garbage and ask glibc (``malloc_trim``) to hand freed heap pages back to the OS, so a model the
-    caller has just dropped does not stay in the resident set under the fresh load (measured on SmolLM2:
-    the resident set after dropping the converted model fell 310 MiB without, about 600 MiB with it)."""
+    caller has just dropped does not stay in the resident set under the fresh load. Measured peak RSS of
+    ``normswap convert smollm2-135m`` (float32): 1953 MiB without the trim, 1638 MiB with it (1632 MiB
+    before verification existed)."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
