@@ -336,3 +336,39 @@ def test_c10_adapters_injected_by_transformers_are_refused_before_anything_is_wr
     assert "\n" not in str(error.value)
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == [tmp_path / "adapter"]
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+# -- heads and half precision -------------------------------------------------------------------------------
+
+
+def test_auto_class_follows_the_architectures_the_config_names(tiny_config):
+    from normswap.io import auto_class_name
+
+    config = tiny_config("llama")
+    for architectures, expected in [
+        (["LlamaForCausalLM"], "AutoModelForCausalLM"),
+        (["LlamaModel"], "AutoModel"),
+        (["Qwen2_5_VLForConditionalGeneration"], "AutoModelForImageTextToText"),
+        (["T5ForConditionalGeneration"], "AutoModelForSeq2SeqLM"),
+    ]:
+        config.architectures = architectures
+        assert auto_class_name(config) == expected
+    config.architectures = ["LlamaForSequenceClassification"]  # loading it headless would change the class
+    with pytest.raises(NormswapError, match="LlamaForSequenceClassification"):
+        auto_class_name(config)
+    config.architectures = None  # GGUF files and hand-made configs: from the model type
+    assert auto_class_name(config) == "AutoModelForCausalLM"
+    assert auto_class_name(tiny_config("t5")) == "AutoModelForSeq2SeqLM"
+
+
+def test_bfloat16_convert_verifies_bit_identical_with_fused_norms(llama_dir, tmp_path):
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    result = run(
+        "convert", llama_dir, "--output", out, "--report", report, "--tokens", "64", "--dtype", "bfloat16"
+    )
+    assert result.exit_code == 0, result.output
+    verify = json.loads(report.read_text())["verify"]
+    assert verify["passed"] and verify["max_abs_diff"] == 0
+    assert json.loads((out / "normswap.json").read_text())["verify"] == verify
+    with safe_open(str(out / "model.safetensors"), "pt") as saved:
+        assert all(saved.get_slice(name).get_dtype() == "BF16" for name in saved.keys())
