@@ -12,7 +12,7 @@ Each model loads with its own head: the transformers Auto class that maps the cl
 ``AutoModelForImageTextToText``), or ``AutoModel`` for a headless encoder such as BERT/MiniLM, so no
 randomly initialized head is ever attached and the saved checkpoint is the class that was loaded. Without
 ``architectures`` (GGUF files, hand-made configs) the choice comes from the ``model_type`` (see
-``auto_class``).
+``auto_class_name``).
 """
 
 from __future__ import annotations
@@ -442,7 +442,10 @@ def load_model(
         kwargs["gguf_file"] = resolved.gguf_file
     with _gguf_loading() if resolved.gguf_file else contextlib.nullcontext():
         config = load_config(resolved, trust_remote_code=trust_remote_code)
-        auto_name = auto_class_name(config)
+        try:
+            auto_name = auto_class_name(config)
+        except NormswapError as error:
+            raise NormswapError(f"{resolved.source}: {error}") from error
         try:
             model = getattr(transformers, auto_name).from_pretrained(
                 resolved.path, config=config, dtype=dtype, **kwargs
