@@ -297,19 +297,6 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def _verify_line(verify: dict) -> str:
-    """The ``verified:`` line: what the fresh load of the saved directory reproduced, or why it failed."""
-    if not verify.get("passed"):
-        return "FAILED: " + "; ".join(verify.get("failures", [])[:3])
-    plain = verify.get("max_abs_diff_plain") or 0
-    plain_text = f" ({plain:.3g} with transformers' own norms)" if plain else ""
-    note = f"; {verify['note']}" if verify.get("note") else ""
-    return (
-        f"fresh load as {verify['architecture']}, {verify['tensors']} tensors bit-identical, "
-        f"{verify['output']} on {verify['tokens']} tokens identical{plain_text}{note}"
-    )
-
-
 def _summary(report: dict, output: Path | None, report_path: Path | None) -> str:
     """The short human summary printed after ``convert``: norms, untying, check numbers, where things went."""
     lines = [
@@ -348,7 +335,9 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
         lines.append(f"saved:    {output}")
     verify = report.get("verify")
     if verify:
-        lines.append(f"verified: {_verify_line(verify)}")
+        from normswap.io.verify import describe
+
+        lines.append(f"verified: {describe(verify)}")
     if report_path is not None:
         lines.append(f"report:   {report_path}")
     return "\n".join(lines)
