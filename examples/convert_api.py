@@ -1,4 +1,4 @@
-"""Convert a model with the Python API: load, reference, convert in place, check, save, reload.
+"""Convert a model with the Python API: load, reference, convert in place, check, save, verify, reload.
 
     python examples/convert_api.py [MODEL] [OUTPUT_DIR]
 
@@ -14,7 +14,14 @@ import torch
 
 import normswap
 from normswap.check import compare, default_input_ids, reference_outputs
-from normswap.io import check_output_dir, load_model, report_dict, save_converted
+from normswap.io import (
+    check_output_dir,
+    load_model,
+    record_expected,
+    report_dict,
+    save_converted,
+    verify_saved,
+)
 
 source = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m"
 if len(sys.argv) > 2:
@@ -39,7 +46,9 @@ print(f"{report.norms_found} found, {report.norms_folded} folded, {report.norms_
 print(f"max abs logit diff {report.check['max_abs_logit_diff']:.3g}, passed: {report.check['passed']}")
 
 if report.check["passed"]:
+    expected = record_expected(model, input_ids)  # class, tensor digests, logits on 16 tokens
     save_converted(model, tokenizer, report_dict(report, info), output)
+    print("verified:", verify_saved(output, expected).line())  # a fresh load reproduces what was checked
     reloaded = normswap.load_pretrained(output)  # plain transformers load + fused norms from normswap.json
     with torch.no_grad():
         diff = (reloaded(input_ids).logits - model(input_ids).logits).abs().max().item()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -130,8 +131,18 @@ def main() -> None:
     is_flag=True,
     help="Keep tied embeddings shared: do not fold the final norm into a tied lm_head.",
 )
-def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force, overwrite, no_untie):
-    """Fold and swap every norm of MODEL, check the logits, save to --output."""
+@click.option(
+    "--tokenizer",
+    "tokenizer_name",
+    metavar="NAME_OR_DIR",
+    default=None,
+    help="Tokenizer for the check's text (hub id or directory) [default: MODEL's own; without one, the "
+    "check runs on ids drawn from the vocabulary with a fixed seed].",
+)
+def convert(
+    model, output, report, norm, dtype, trust_remote_code, tokens, force, overwrite, no_untie, tokenizer_name
+):
+    """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
     from normswap import io
     from normswap.check import compare, reference_outputs
     from normswap.convert import convert as convert_model
@@ -143,9 +154,11 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
         io.check_output_file(report, [model], output)
     t0 = time.perf_counter()
     _step(f"loading {model} ({dtype}) ...")
-    loaded = io.load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
+    loaded = io.load_model(
+        model, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer_name or True
+    )
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
-    input_ids = _check_ids(model, loaded, tokens)
+    input_ids, check_input = _check_ids(model, loaded, tokens)
     _step("finding the norms and their consumers ...")
     traced = walk(loaded.model, input_ids)
     if not traced.sites:
@@ -158,10 +171,13 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
     checked = compare(reference, loaded.model, input_ids)
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)
+    report_dict["check_input"] = check_input
     passed = bool(checked.passed)
+    saved = passed or force
     try:
-        if passed or force:
+        if saved:
             _step(f"saving to {output} ...")
+            expected = io.record_expected(loaded.model, input_ids)
             io.save_converted(
                 loaded.model, loaded.tokenizer, report_dict, output, overwrite=overwrite, input_path=model
             )
@@ -170,21 +186,42 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
             with contextlib.suppress(NormswapError):
                 io.write_json(report, report_dict)
         raise
+    if saved:
+        del traced, reference
+        loaded.model = None  # the fresh load below then needs one model's memory, not two
+        _step(f"verifying {output} by a fresh load ...")
+        verified = io.verify_saved(output, expected, trust_remote_code=trust_remote_code)
+        report_dict["verify"] = verified.to_dict()
+        if not verified.passed and not force:
+            shutil.rmtree(output, ignore_errors=True)
+            saved = False
+        else:
+            io.write_json(Path(output) / io.MANIFEST, report_dict)
     if report is not None:
         io.write_json(report, report_dict)
-    click.echo(_summary(report_dict, output if (passed or force) else None, report))
-    if not passed:
+    click.echo(_summary(report_dict, output if saved else None, report))
+    verify_failed = not report_dict.get("verify", {}).get("passed", True)
+    if not passed or verify_failed:
+        what = "check FAILED" if not passed else "verification of the saved checkpoint FAILED"
         click.echo(
-            "normswap: check FAILED" + ("; saved anyway (--force)" if force else "; nothing saved"), err=True
+            f"normswap: {what}" + ("; saved anyway (--force)" if force else "; nothing saved"), err=True
         )
         raise SystemExit(1)
 
 
 def _check_ids(model: str, loaded, tokens: int | None):
-    """The check's token ids for ``loaded``; bad tokenizers and over-long requests are bad input (exit 2)."""
-    from normswap.check.inputs import command_input_ids
+    """The check's token ids for ``loaded`` and how they were made (for the report); bad tokenizers and
+    over-long requests are bad input (exit 2). Without a tokenizer: ids drawn from the vocabulary."""
+    from normswap.check import VOCABULARY_SEED
+    from normswap.check.inputs import command_input_ids, vocabulary_size
 
-    return command_input_ids(model, loaded.model.config, loaded.tokenizer, tokens)
+    ids = command_input_ids(model, loaded.model.config, loaded.tokenizer, tokens)
+    if loaded.tokenizer is None:
+        vocab = vocabulary_size(loaded.model.config)
+        return ids, {"source": "vocabulary", "vocab_size": vocab, "seed": VOCABULARY_SEED,
+                     "reason": "no tokenizer files"}  # fmt: skip
+    tokenizer = getattr(loaded.tokenizer, "name_or_path", None) or loaded.info.path
+    return ids, {"source": "text", "tokenizer": str(tokenizer)}
 
 
 @main.command()
@@ -244,6 +281,14 @@ def _tolerance_text(tol: dict, output_name: str = "logit") -> str:
     return ", ".join(parts)
 
 
+def _size(nbytes: int) -> str:
+    """``32768`` -> ``"32.0 KiB"``: bytes in the largest binary unit that keeps the number at least 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
 def _summary(report: dict, output: Path | None, report_path: Path | None) -> str:
     """The short human summary printed after ``convert``: norms, untying, check numbers, where things went."""
     lines = [
@@ -253,8 +298,13 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
     ]
     untied = report.get("untied") or []
     if untied:
-        extra = report.get("untie_bytes") or 0
-        lines.append(f"untied:   {', '.join(untied)} (+{extra / 2**20:.1f} MiB)")
+        lines.append(f"untied:   {', '.join(untied)} (+{_size(report.get('untie_bytes') or 0)})")
+    check_input = report.get("check_input") or {}
+    if check_input.get("source") == "vocabulary":
+        lines.append(
+            f"input:    ids drawn from the vocabulary ({check_input['vocab_size']} ids, torch seed "
+            f"{check_input['seed']}): {check_input['reason']}; --tokenizer gives real text"
+        )
     check = report.get("check") or {}
     if check:
         output_name = {"logits": "logit", "last_hidden_state": "hidden state"}.get(
@@ -275,6 +325,11 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
             lines.append(f"          first divergence: {check['divergence'].get('description')}")
     if output is not None:
         lines.append(f"saved:    {output}")
+    verify = report.get("verify")
+    if verify:
+        from normswap.io.verify import describe
+
+        lines.append(f"verified: {describe(verify)}")
     if report_path is not None:
         lines.append(f"report:   {report_path}")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """Is the converted model the same model? Metrics, tolerance policy per dtype, divergence localization.
 
 Public API: :func:`check` (both models in memory), :func:`reference_outputs` + :func:`compare` (lean:
-reference first, convert in place, then compare), :func:`default_input_ids`, :class:`CheckResult`.
+reference first, convert in place, then compare), :func:`default_input_ids` (:func:`vocabulary_ids` for a
+model without a tokenizer), :class:`CheckResult`.
 See docs/CHECKING.md. The names are imported on first use, so that the CLI's ``check`` command (in
 ``command.py``) registers without importing torch.
 """
@@ -22,6 +23,8 @@ _LAZY = {
     "default_tolerance": ".policy",
     "default_input_ids": ".text",
     "default_text": ".text",
+    "VOCABULARY_SEED": ".text",
+    "vocabulary_ids": ".text",
 }
 __all__ = sorted(_LAZY)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import resource
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -155,11 +154,16 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
 
 @torch.no_grad()
 def _forward(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """One forward; returns (output kind, ``(B*T, V or D)`` output on the CPU)."""
-    kwargs = {}
-    if "use_cache" in inspect.signature(model.forward).parameters:
-        kwargs["use_cache"] = False
-    out = model(input_ids=input_ids.to(_device(model)), **kwargs)
+    """One forward; returns (output kind, ``(B*T, V or D)`` output on the CPU).
+
+    The inputs are the walk's (``normswap.walk.example_inputs``): ``input_ids``, ``use_cache=False`` where
+    the forward takes it, and for an encoder-decoder the same ids as ``decoder_input_ids``.
+    """
+    from normswap.walk import example_inputs
+
+    kwargs = example_inputs(model, input_ids)
+    kwargs["input_ids"] = input_ids.to(_device(model))
+    out = model(**kwargs)
     logits = getattr(out, "logits", None)
     kind, value = ("logits", logits) if logits is not None else ("last_hidden_state", None)
     if value is None:

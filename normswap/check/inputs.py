@@ -46,6 +46,14 @@ def check_positions(count: int, what: str, models: dict) -> None:
             raise NormswapError(f"{what} exceeds {name}'s max_position_embeddings ({limit})")
 
 
+def vocabulary_size(config, source="the model") -> int:
+    """``config``'s (text) vocabulary size. Raises NormswapError when the config has none."""
+    vocab = getattr(_text_config(config), "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 2:
+        raise NormswapError(f"{source}: no tokenizer files and no vocab_size in its config; pass --tokenizer")
+    return vocab
+
+
 def default_tokens(config, reserve: int = 0) -> int:
     """``min(512, limit - reserve)`` (at least 2): the tokens a command takes when not told."""
     limit = position_limit(config)
@@ -58,7 +66,8 @@ def command_input_ids(source, model_config, tokenizer, tokens: int | None, *, re
     Args:
         source: the MODEL argument, for messages.
         model_config: the loaded model's config (its position limit applies).
-        tokenizer: the model's tokenizer.
+        tokenizer: the model's tokenizer; ``None`` draws the ids from the vocabulary (``vocabulary_ids``,
+            fixed seed).
         tokens: ``T``; ``None`` takes ``min(512, limit - reserve)``.
         reserve: ``(N, option)``: N positions needed after the ``T`` tokens (greedy generation), and the
             option that asks for them (named in a refusal).
@@ -73,6 +82,10 @@ def command_input_ids(source, model_config, tokenizer, tokens: int | None, *, re
         tokens = default_tokens(model_config, extra)
     what = f"--tokens {tokens}" + (f" + {option} {extra}" if extra else "")
     check_positions(tokens + extra, what, {source: model_config})
+    if tokenizer is None:  # a checkpoint without tokenizer files: ids drawn from its vocabulary
+        from normswap.check.text import VOCABULARY_SEED, vocabulary_ids
+
+        return vocabulary_ids(vocabulary_size(model_config, source), tokens, seed=VOCABULARY_SEED)
     try:
         return default_input_ids(tokenizer, tokens)
     except ValueError as error:

@@ -65,3 +65,27 @@ def default_input_ids(tokenizer, num_tokens: int = 512) -> torch.LongTensor:
                 )
             return torch.tensor([ids[:num_tokens]], dtype=torch.long)
     raise ValueError(f"the default text gives only {len(ids)} tokens, fewer than the {num_tokens} asked for")
+
+
+VOCABULARY_SEED = 0
+
+
+def vocabulary_ids(vocab_size: int, num_tokens: int = 512, seed: int = VOCABULARY_SEED) -> torch.LongTensor:
+    """Token ids drawn uniformly from ``[0, vocab_size)`` by ``torch.randint`` with a fixed seed: the check's
+    input for a model that comes without a tokenizer (the same ids on every run and machine).
+
+    Args:
+        vocab_size: the model's vocabulary size (``config.vocab_size`` of its text config), >= 2.
+        num_tokens: sequence length ``T`` (>= 2).
+        seed: seed of the ``torch.Generator`` (CPU) that draws them.
+
+    Returns:
+        ``torch.long`` tensor of shape ``(1, T)`` on the CPU.
+
+    Raises:
+        ValueError: ``vocab_size < 2`` or ``num_tokens < 2``.
+    """
+    if num_tokens < 2 or vocab_size < 2:
+        raise ValueError(f"need num_tokens >= 2 and vocab_size >= 2, got {num_tokens} and {vocab_size}")
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (1, num_tokens), generator=generator, dtype=torch.long)

@@ -4,15 +4,20 @@
 * ``save_converted(model, tokenizer, report, out_dir, overwrite=False)`` (atomic)
 * ``load_pretrained(path)`` -> model with normswap's fused norms in place
 * ``write_json(path, data)`` / ``write_text(path, text)``: atomic, strict JSON (``normswap.io.files``)
+* ``record_expected(model, input_ids)`` before saving, ``verify_saved(path, expected)`` after: a fresh load
+  of the saved directory reproduces the class, tensors and outputs that were checked
 """
 
+from normswap.io.adapters import is_peft_model, plain_model
 from normswap.io.files import to_json, write_json, write_text
 from normswap.io.load import (
     LoadedModel,
     ModelInfo,
     Resolved,
+    auto_class_name,
     is_causal_lm,
     load_model,
+    load_tokenizer,
     quiet_loading,
     resolve,
 )
@@ -27,10 +32,19 @@ from normswap.io.save import (
     save_converted,
 )
 from normswap.io.shortnames import SHORT_MODELS, cache_dir, fetch
+from normswap.io.verify import Expected, VerifyResult, record_expected, verify_saved
 
 __all__ = [
     "MANIFEST",
     "SHORT_MODELS",
+    "Expected",
+    "VerifyResult",
+    "auto_class_name",
+    "is_peft_model",
+    "load_tokenizer",
+    "plain_model",
+    "record_expected",
+    "verify_saved",
     "LoadedModel",
     "ModelInfo",
     "Resolved",

@@ -7,9 +7,12 @@ MODEL may be
 * a short name from ``normswap.io.shortnames.SHORT_MODELS`` (fetched once into normswap's cache),
 * a Hugging Face hub id (needs the hub or a local HF cache; set ``HF_HUB_OFFLINE=1`` to skip the network).
 
-Causal LMs load with ``AutoModelForCausalLM``; everything else (encoders such as BERT/MiniLM) with
-``AutoModel``, so no randomly initialized head is ever attached. The choice comes from the config's
-``architectures`` (or, when absent, as in GGUF files, from its ``model_type``).
+Each model loads with its own head: the transformers Auto class that maps the class its config's
+``architectures`` names (``AutoModelForCausalLM``, ``AutoModelForSeq2SeqLM``,
+``AutoModelForImageTextToText``), or ``AutoModel`` for a headless encoder such as BERT/MiniLM, so no
+randomly initialized head is ever attached and the saved checkpoint is the class that was loaded. Without
+``architectures`` (GGUF files, hand-made configs) the choice comes from the ``model_type`` (see
+``auto_class_name``).
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ class Resolved:
 
 @dataclass
 class ModelInfo:
-    """What was loaded: ``Resolved`` plus the model class, whether it is a causal LM, and its dtype."""
+    """What was loaded: ``Resolved`` plus the model class, whether it is a causal LM, its dtype and the
+    transformers Auto class it was loaded with (``auto_class``)."""
 
     source: str
     kind: str
@@ -78,6 +82,7 @@ class ModelInfo:
     architecture: str
     causal_lm: bool
     dtype: str
+    auto_class: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -191,6 +196,55 @@ def quiet_loading() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     hub_logging.set_verbosity_error()
+
+
+# The heads normswap loads, in order of preference: transformers Auto class -> the constant in
+# transformers.models.auto.modeling_auto that lists the model classes it builds. AutoModel (last) is for
+# headless encoders; a model whose config names any other head is refused rather than loaded headless.
+_HEADS = (
+    ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
+    ("AutoModel", "MODEL_MAPPING_NAMES"),
+)
+
+
+def _mapped_classes(constant: str) -> set[str]:
+    from transformers.models.auto import modeling_auto
+
+    classes: set[str] = set()
+    for value in getattr(modeling_auto, constant, {}).values():
+        classes.update(value if isinstance(value, list | tuple) else [value])
+    return classes
+
+
+def auto_class_name(config) -> str:
+    """The name of the transformers Auto class that loads ``config``'s model with its own head.
+
+    With ``config.architectures`` set: the first Auto class of ``AutoModelForCausalLM``,
+    ``AutoModelForSeq2SeqLM``, ``AutoModelForImageTextToText``, ``AutoModel`` whose mapping (or, for remote
+    code, the config's ``auto_map``) names one of the architectures. Without it (GGUF files, hand-made
+    configs): ``AutoModelForSeq2SeqLM`` for an encoder-decoder, ``AutoModelForCausalLM`` when
+    ``is_causal_lm(config)``, else ``AutoModel``.
+
+    Raises:
+        NormswapError: the architectures name only heads none of these classes builds (a classifier, a
+            masked LM, ...): loading it headless would save another class than the input.
+    """
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not architectures:
+        if getattr(config, "is_encoder_decoder", False):
+            return "AutoModelForSeq2SeqLM"
+        return "AutoModelForCausalLM" if is_causal_lm(config) else "AutoModel"
+    auto_map = getattr(config, "auto_map", None) or {}
+    for name, constant in _HEADS:
+        remote = str(auto_map.get(name, "")).rsplit(".", 1)[-1]
+        if any(a in _mapped_classes(constant) or (remote and a == remote) for a in architectures):
+            return name
+    raise NormswapError(
+        f"the config names {', '.join(architectures)}: normswap loads causal LMs, seq2seq LMs, "
+        "image-text-to-text models and headless encoders only"
+    )
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -383,31 +437,80 @@ def _realign(model: torch.nn.Module) -> None:
         p.data = p.data.clone()
 
 
+# Files a tokenizer is saved as (tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json/.txt,
+# merges.txt, spiece.model, *.tiktoken): a local model directory with none of them has no tokenizer.
+_TOKENIZER_FILES = ("tokenizer*", "vocab.*", "merges.txt", "spiece.model", "*.tiktoken")
+
+
+def has_tokenizer_files(resolved: Resolved) -> bool:
+    """Whether ``resolved`` may hold a tokenizer: always for hub ids and GGUF files (the tokenizer is in the
+    file's metadata), for a local directory only when it holds a tokenizer file."""
+    if resolved.kind != "dir" or resolved.gguf_file:
+        return True
+    folder = Path(resolved.path)
+    return any(next(folder.glob(pattern), None) is not None for pattern in _TOKENIZER_FILES)
+
+
+def load_tokenizer(resolved: Resolved, name_or_dir: str | Path | None = None, *, trust_remote_code=False):
+    """The tokenizer of model ``resolved``, or of ``name_or_dir`` (a hub id or tokenizer directory) if given.
+
+    Returns:
+        the tokenizer, or ``None`` when ``name_or_dir`` is ``None`` and the model is a local directory
+        without tokenizer files (``has_tokenizer_files``): the caller then checks on ids drawn from the
+        vocabulary (``normswap.check.vocabulary_ids``).
+
+    Raises:
+        NormswapError: tokenizer files that cannot be read, or a ``name_or_dir`` that gives no tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    if name_or_dir is None and not has_tokenizer_files(resolved):
+        return None
+    where = resolved
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if name_or_dir is not None:
+        path = Path(str(name_or_dir)).expanduser()
+        if path.is_dir():
+            where = Resolved(str(name_or_dir), "dir", str(path.resolve()))
+        else:
+            where = Resolved(str(name_or_dir), "hub", str(name_or_dir))
+    elif resolved.gguf_file:
+        kwargs["gguf_file"] = resolved.gguf_file
+    try:
+        return AutoTokenizer.from_pretrained(where.path, **kwargs)
+    except Exception as error:
+        raise _load_failure(where, "tokenizer", error) from error
+
+
 def load_model(
     source: str | Path,
     *,
     dtype: str | torch.dtype = "float32",
     trust_remote_code: bool = False,
-    tokenizer: bool = True,
+    tokenizer: bool | str | Path = True,
 ) -> LoadedModel:
-    """Resolve MODEL ``source`` and load model and tokenizer, in eval mode on the CPU.
+    """Resolve MODEL ``source`` and load model (with its own head, see ``auto_class_name``) and tokenizer,
+    in eval mode on the CPU.
 
     Args:
         source: hub id, model directory, ``.gguf`` file or short name (see the module docstring).
         dtype: dtype of the floating-point parameters (``"float32"`` default, ``"bfloat16"``,
             ``"float16"``, ``"float64"`` or a ``torch.dtype``). GGUF weights are dequantized into it.
         trust_remote_code: allow transformers to run Python code shipped with the model.
-        tokenizer: also load the tokenizer (``LoadedModel.tokenizer`` is ``None`` otherwise).
+        tokenizer: ``True``: the model's own tokenizer (``None`` for a model directory without tokenizer
+            files); a hub id or directory: that tokenizer; ``False``: none (``LoadedModel.tokenizer`` is
+            ``None``).
 
     Returns:
         ``LoadedModel(model, tokenizer, info)``.
 
     Raises:
-        NormswapError: anything wrong with the input (see ``resolve`` and ``load_config``), weights that
-            cannot be read (truncated or corrupt files) or do not match the config (``load_weights``), a
-            tokenizer that cannot be built.
+        NormswapError: anything wrong with the input (see ``resolve``, ``load_config``,
+            ``auto_class_name``), weights that cannot be read (truncated or corrupt files) or do not match
+            the config (``load_weights``), a loaded class other than the one the config names, a tokenizer
+            that cannot be built.
     """
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    import transformers
 
     resolved = resolve(source)
     dtype = torch_dtype(dtype)
@@ -416,18 +519,19 @@ def load_model(
         kwargs["gguf_file"] = resolved.gguf_file
     with _gguf_loading() if resolved.gguf_file else contextlib.nullcontext():
         config = load_config(resolved, trust_remote_code=trust_remote_code)
-        causal = is_causal_lm(config)
-        auto = AutoModelForCausalLM if causal else AutoModel
-        model = load_weights(auto, resolved, config=config, dtype=dtype, **kwargs)
+        try:
+            auto_name = auto_class_name(config)
+        except NormswapError as error:
+            raise NormswapError(f"{resolved.source}: {error}") from error
+        model = load_weights(getattr(transformers, auto_name), resolved, config=config, dtype=dtype, **kwargs)
+        _check_named_class(resolved, config, model)
         model.eval()
         if resolved.gguf_file:
             _realign(model)
         tok = None
-        if tokenizer:
-            try:
-                tok = AutoTokenizer.from_pretrained(resolved.path, **kwargs)
-            except Exception as error:
-                raise _load_failure(resolved, "tokenizer", error) from error
+        if tokenizer is not False:
+            name = None if tokenizer is True else tokenizer
+            tok = load_tokenizer(resolved, name, trust_remote_code=trust_remote_code)
     info = ModelInfo(
         source=resolved.source,
         kind=resolved.kind,
@@ -435,7 +539,19 @@ def load_model(
         gguf_file=resolved.gguf_file,
         short_name=resolved.short_name,
         architecture=type(model).__name__,
-        causal_lm=causal,
+        causal_lm=auto_name == "AutoModelForCausalLM",
         dtype=str(dtype).removeprefix("torch."),
+        auto_class=auto_name,
     )
     return LoadedModel(model, tok, info)
+
+
+def _check_named_class(resolved: Resolved, config, model: torch.nn.Module) -> None:
+    """Refuse a loaded class that is not one the config's ``architectures`` names (it would save as another
+    class than the input); configs without ``architectures`` accept what the Auto class chose."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if architectures and type(model).__name__ not in architectures:
+        raise NormswapError(
+            f"{resolved.source}: the config names {', '.join(architectures)} but transformers builds "
+            f"{type(model).__name__} from it; normswap would save another class than the input"
+        )

@@ -28,7 +28,8 @@ import torch
 
 from normswap.errors import NormswapError
 from normswap.io import files, shortnames
-from normswap.io.load import ModelInfo, is_causal_lm, load_config, load_weights, resolve, torch_dtype
+from normswap.io.adapters import plain_manifest
+from normswap.io.load import ModelInfo, auto_class_name, load_config, load_weights, resolve, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -279,6 +280,10 @@ def save_converted(
     own architecture format (GGUF-loaded models as a plain float checkpoint, see
     ``plain_float_checkpoint``); tied parameters are written once, an untied ``lm_head``
     (``config.tie_word_embeddings = False``) as its own tensor. The caller's model is left as it was.
+    A PEFT model (``peft.PeftModel``) is saved as the plain model it computes: a copy merged with peft's
+    ``merge_and_unload`` (one more model in memory during the save); ``report["saved_as"]`` then says so
+    (the dict is updated in place, so a ``--report`` written after the save says it too) and ``normswap.json``
+    names the sites as the merged model does.
 
     Args:
         model: a transformers ``PreTrainedModel``.
@@ -292,11 +297,13 @@ def save_converted(
         the absolute output directory.
 
     Raises:
-        NormswapError: see ``check_output_dir`` and ``plain_float_checkpoint``; another process is saving
-            to ``out_dir`` ("in use"); any failure of a writer (a full disk, safetensors' or tokenizers'
-            own errors), as one line naming ``out_dir`` and the cause.
+        NormswapError: see ``check_output_dir``, ``plain_float_checkpoint`` and
+            ``normswap.io.adapters.plain_model`` (all before anything is written); another process is
+            saving to ``out_dir`` ("in use"); any failure of a writer (a full disk, safetensors' or
+            tokenizers' own errors), as one line naming ``out_dir`` and the cause.
     """
     out = check_output_dir(out_dir, input_path, overwrite=overwrite)
+    model, manifest = plain_manifest(model, report)  # a PEFT model: a merged copy, freed on return
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -314,7 +321,7 @@ def save_converted(
                 model.save_pretrained(built)
             if tokenizer is not None:
                 tokenizer.save_pretrained(built)
-            (built / MANIFEST).write_text(files.to_json(report))
+            (built / MANIFEST).write_text(files.to_json(manifest))
             files.apply_umask(built)
             _replace_dir(built, out, overwrite)
         except NormswapError:
@@ -351,9 +358,10 @@ def load_pretrained(
 ) -> torch.nn.Module:
     """Load a checkpoint written by ``normswap convert`` with its fused norm modules in place.
 
-    The weights load with plain transformers (``AutoModelForCausalLM`` for causal LMs, ``AutoModel``
-    otherwise); then every site the manifest marks ``swapped`` is rebuilt with ``NormSite.from_dict`` and
-    ``normswap.swap.swap_norms`` installs the fused modules under the same module names.
+    The weights load with plain transformers (the Auto class of ``normswap.io.load.auto_class_name``:
+    the model's own head); then every site the manifest marks ``swapped`` is rebuilt with
+    ``NormSite.from_dict`` and ``normswap.swap.swap_norms`` installs the fused modules under the same
+    module names.
 
     Args:
         path: the checkpoint directory.
@@ -368,7 +376,7 @@ def load_pretrained(
         NormswapError: not a normswap checkpoint, transformers cannot load it, or its tensors do not
             match its config (see ``normswap.io.load.load_weights``).
     """
-    from transformers import AutoModel, AutoModelForCausalLM
+    import transformers
 
     from normswap.sites import NormSite
     from normswap.swap import swap_norms
@@ -376,7 +384,7 @@ def load_pretrained(
     manifest = read_manifest(path)
     resolved = resolve(path, download=False)
     config = load_config(resolved, trust_remote_code=trust_remote_code)
-    auto = AutoModelForCausalLM if is_causal_lm(config) else AutoModel
+    auto = getattr(transformers, auto_class_name(config))
     if dtype is not None:
         kwargs["dtype"] = torch_dtype(dtype)
     else:
