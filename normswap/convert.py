@@ -65,6 +65,16 @@ def _model_name(model: nn.Module) -> str:
     return getattr(config, "_name_or_path", "") or type(model).__name__
 
 
+def no_norms_message(result: Walk) -> str:
+    """``"no normalization module found"``, plus how many candidates failed to probe and the first error."""
+    message = "no normalization module found"
+    if result.probe_failures:
+        name, error = next(iter(result.probe_failures.items()))
+        count = len(result.probe_failures)
+        message += f" ({count} candidate{'s' if count > 1 else ''} failed to probe; {name}: {error})"
+    return message
+
+
 def inspect(model: nn.Module, input_ids: torch.Tensor | None = None) -> list[NormSite]:
     """List the norms of ``model`` with their semantics, consumers and foldability; changes nothing.
 
@@ -115,7 +125,7 @@ def convert(
         raise ValueError(f"norm must be one of {NORM_CHOICES}, got {norm!r}")
     result = traced if traced is not None else walk(model, input_ids)
     if not result.sites:
-        raise NormswapError(f"{_model_name(model)}: no normalization module found")
+        raise NormswapError(f"{_model_name(model)}: {no_norms_message(result)}")
     centering = None
     if norm == "rmsnorm":
         from normswap.center import center

@@ -141,7 +141,7 @@ def text_windows(tokenizer, text: str, max_tokens: int, window: int) -> list[tor
     ids = tokenizer(text)["input_ids"][:max_tokens]
     if len(ids) < 2:
         raise NormswapError(f"the evaluation text gives only {len(ids)} token(s)")
-    ids = torch.tensor([ids], dtype=torch.long)
+    ids = torch.tensor([ids], dtype=torch.long, device="cpu")
     return [w for w in ids.split(window, dim=1) if w.shape[1] >= 2]
 
 
@@ -184,7 +184,7 @@ def window_record(original, converted, ids: torch.Tensor, index: int) -> torch.T
     m = logit_metrics(logits[0], logits[1], next_token_targets(ids))
     row = (index, m["nll_ref"], m["nll_conv"], m["kl_mean"] * m["rows"], m["top1"] * m["rows"])
     row += (m["rows"], m["n_targets"], m["max_abs"])
-    return torch.tensor([row], dtype=torch.float64)
+    return torch.tensor([row], dtype=torch.float64, device="cpu")
 
 
 def summarize(records: torch.Tensor) -> dict:

@@ -134,7 +134,7 @@ def _propagate(finder: Writers, cone: set[Key], writes: dict[Key, list[Write]]):
         node = rec.nodes.get(k)
         if k in writes:
             t = node.out if node is not None else rec.tensors[writes[k][0].param]
-            index[k] = torch.arange(t.shape[-1]).expand(t.shape)
+            index[k] = torch.arange(t.shape[-1], device="cpu").expand(t.shape)  # bookkeeping
             feeds[k] = frozenset([k])
         elif node.op in ops.ADD:
             parts = [(index[o], feeds[o]) for o in node.operands.values() if o in index]
@@ -183,5 +183,5 @@ def _groups(finder: Writers, layer: list[NormSite], index, feeds, writes):
             if len(set(row)) != len(row) or any(owner.get(i, row) != row for i in row):
                 raise refusal(site, f"{param} is normalized in overlapping groups of features")
             owner.update(dict.fromkeys(row, row))
-        groups[(param, axis)] = [torch.tensor(sorted(r)) for r in sorted(rows)]
+        groups[(param, axis)] = [torch.tensor(sorted(r), device="cpu") for r in sorted(rows)]
     return groups, tables

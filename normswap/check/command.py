@@ -71,7 +71,7 @@ def check_command(
         ids = tokenizer(read_text(text_file)[0])["input_ids"][:tokens]
         if len(ids) < 2:
             raise NormswapError(f"{text_file}: gives fewer than 2 tokens")
-        input_ids = torch.tensor([ids])
+        input_ids = torch.tensor([ids], dtype=torch.long, device="cpu")
     sites = _manifest_sites(converted)
     names = {name for name, _ in model.named_modules()}
     if sites and not all(site.name in names for site in sites):
