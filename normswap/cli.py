@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from normswap.device import device_option
 from normswap.errors import NormswapError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -71,7 +72,12 @@ def _load_options(f):
         show_default=True,
         help="Precision the model is loaded, converted, checked and saved in.",
     )(f)
-    return f
+    f = click.option(
+        "--device-map",
+        help='Passed to from_pretrained instead of --device: "auto" spreads the layers over the GPUs '
+        "(a model bigger than one GPU; offloaded layers are refused).",
+    )(f)
+    return device_option(f)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -126,11 +132,13 @@ def main() -> None:
     is_flag=True,
     help="Keep tied embeddings shared: do not fold the final norm into a tied lm_head.",
 )
-def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force, overwrite, no_untie):
+def convert(model, output, report, norm, dtype, trust_remote_code, device, device_map, tokens, force,
+            overwrite, no_untie):  # fmt: skip
     """Fold and swap every norm of MODEL, check the logits, save to --output."""
     from normswap import io
     from normswap.check import compare, reference_outputs
     from normswap.convert import convert as convert_model
+    from normswap.convert import no_norms_message
     from normswap.walk import walk
 
     _quiet_transformers()
@@ -139,13 +147,15 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
         io.check_output_file(report, [model], output)
     t0 = time.perf_counter()
     _step(f"loading {model} ({dtype}) ...")
-    loaded = io.load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
+    loaded = io.load_model(
+        model, dtype=dtype, trust_remote_code=trust_remote_code, device=device, device_map=device_map
+    )
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
     input_ids = _check_ids(model, loaded, tokens)
     _step("finding the norms and their consumers ...")
     traced = walk(loaded.model, input_ids)
     if not traced.sites:
-        raise NormswapError(f"{model}: no normalization modules found; nothing to convert")
+        raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
     _step(f"running the original on {input_ids.shape[-1]} tokens ...")
     reference = reference_outputs(loaded.model, input_ids, sites=traced.sites)
     _step("converting ...")
@@ -198,18 +208,24 @@ def _check_ids(model: str, loaded, tokens: int | None):
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path), help="Write the site list as JSON here."
 )
-def inspect(model, dtype, trust_remote_code, json_path):
+def inspect(model, dtype, trust_remote_code, device, device_map, json_path):
     """List every norm of MODEL: kind, convention, eps, cast order, consumers, foldable or why not."""
     from normswap import io
-    from normswap.convert import inspect as inspect_model
+    from normswap.convert import no_norms_message
+    from normswap.walk import walk
 
     _quiet_transformers()
     if json_path is not None:
         io.check_output_file(json_path, [model])
-    loaded = io.load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
-    sites = inspect_model(loaded.model)
+    loaded = io.load_model(
+        model, dtype=dtype, trust_remote_code=trust_remote_code, device=device, device_map=device_map
+    )
+    traced = walk(loaded.model)
+    sites = traced.sites
+    for name, error in traced.probe_failures.items():
+        click.echo(f"normswap: warning: {name}: probing failed ({error}); not listed as a norm", err=True)
     if not sites:
-        raise NormswapError(f"{model}: no normalization modules found")
+        raise NormswapError(f"{model}: {no_norms_message(traced)}")
     if json_path is not None:
         _write_json(json_path, [site.to_dict() for site in sites])
     click.echo(_site_table(sites))
@@ -289,10 +305,12 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
 @main.command()
 @click.option("--output", "-o", type=click.Path(path_type=Path), help="Write the Markdown table here.")
 @click.option("--only", multiple=True, metavar="NAME", help="Run only these zoo rows (repeatable).")
-def zoo(output, only):
+@device_option
+def zoo(output, only, device):
     """Convert every tiny zoo model, check it, print (or write) the coverage table; exit 1 if a row fails."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from normswap import zoo as zoo_lib
+    from normswap.device import resolve_device
 
     _quiet_transformers()
     names = {e.name for e in zoo_lib.ZOO}
@@ -300,7 +318,9 @@ def zoo(output, only):
     if unknown:
         raise NormswapError(f"unknown zoo row(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
     entries = [e for e in zoo_lib.ZOO if not only or e.name in only]
-    results = zoo_lib.run_zoo(entries, progress=lambda r: _step(f"{r.name}: {'ok' if r.passed else 'FAIL'}"))
+    target = resolve_device(device)
+    progress = lambda r: _step(f"{r.name}: {'ok' if r.passed else 'FAIL'}")  # noqa: E731
+    results = zoo_lib.run_zoo(entries, progress=progress, device=target)
     table = zoo_lib.coverage_markdown(results)
     if output is not None:
         output.write_text(table)

@@ -52,6 +52,19 @@ def resolve_device(spec: str | None) -> torch.device:
     return torch.device("cuda", index)
 
 
+def device_option(f):
+    """The ``--device`` click option of convert, inspect, check and eval (resolved by ``resolve_device``)."""
+    import click
+
+    return click.option(
+        "--device",
+        default="auto",
+        show_default=True,
+        help="Where the model runs: auto (the first CUDA GPU if any, else the CPU), cpu, cuda or cuda:N. "
+        "Ignored with --device-map.",
+    )(f)
+
+
 def _hooks(module: nn.Module) -> list:
     """The accelerate hooks attached to ``module`` (a ``SequentialHook`` unpacked), or []."""
     hook = getattr(module, "_hf_hook", None)
@@ -105,6 +118,40 @@ def offloaded(model: nn.Module) -> dict[str, str]:
             if t.device.type == "meta":
                 found[f"{mod_name}.{name}" if mod_name else name] = mod_name
     return found
+
+
+def carry_hook(original: nn.Module, replacement: nn.Module) -> None:
+    """Give ``replacement`` the accelerate hook of the module it replaces, if any.
+
+    A module placed by ``device_map`` may carry an ``AlignDevicesHook`` that moves its inputs to its
+    execution device (and its outputs back); a swapped-in module without it would meet inputs on another
+    device.
+    """
+    hook = getattr(original, "_hf_hook", None)
+    if hook is not None:
+        from accelerate.hooks import add_hook_to_module
+
+        add_hook_to_module(replacement, hook)
+
+
+def refuse_offloaded(model: nn.Module) -> None:
+    """Refuse, in one line naming the module, a model with parameters accelerate offloaded.
+
+    An offloaded tensor (``device_map`` with ``"disk"``, or ``"cpu"`` next to GPUs) is a ``meta`` tensor
+    that accelerate's hook replaces by a fresh copy on every forward: normswap could neither trace its uses
+    nor fold into it in place, and would silently leave norms unfolded (field case C8).
+
+    Raises:
+        NormswapError: naming the first offloaded module and how many tensors are offloaded.
+    """
+    found = offloaded(model)
+    if found:
+        first = next(iter(found.values())) or "the model"
+        raise NormswapError(
+            f"{first}: parameters offloaded by accelerate ({len(found)} tensors on the meta device behind "
+            "hooks); normswap cannot fold into offloaded storage: load the model with every layer on a "
+            'device (a device_map without "disk" or "cpu" offload, or --device)'
+        )
 
 
 def offload_value(module: nn.Module, name: str) -> torch.Tensor | None:

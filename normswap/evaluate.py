@@ -22,18 +22,22 @@ import torch
 
 from normswap.check.metrics import logit_metrics, next_token_targets
 from normswap.check.text import default_text
+from normswap.device import device_option, exact_float32, model_device
 from normswap.errors import NormswapError
 
 # per-window record: index, nll original, nll converted, kl sum, top-1 agreements, positions, targets, max abs
 _FIELDS = ("window", "nll_original", "nll_converted", "kl_sum", "top1", "positions", "targets", "max_abs")
 
 
-def load_for_eval(source, *, dtype="float32", device_map=None, trust_remote_code=False, tokenizer=True):
+def load_for_eval(
+    source, *, dtype="float32", device_map=None, trust_remote_code=False, tokenizer=True, device="cpu"
+):
     """Load MODEL ``source`` for evaluation -> ``(model, tokenizer or None)``, in eval mode.
 
     A directory holding a normswap manifest loads with ``normswap.load_pretrained`` (fused norms in place);
     anything else through ``normswap.io.load_model`` (hub id, directory, ``.gguf``, short name).
-    ``device_map`` (e.g. ``"auto"``) is passed to ``from_pretrained`` (accelerate's big-model inference).
+    ``device_map`` (e.g. ``"auto"``) is passed to ``from_pretrained`` (accelerate's big-model inference);
+    without it the model loads onto ``device`` (``normswap.device.resolve_device``).
 
     Raises:
         NormswapError: the source cannot be resolved or loaded.
@@ -41,9 +45,13 @@ def load_for_eval(source, *, dtype="float32", device_map=None, trust_remote_code
     from transformers import AutoTokenizer
 
     from normswap import io
+    from normswap.device import resolve_device
 
+    target = resolve_device(str(device)) if not device_map else None
     resolved = io.resolve(source)
     extra = {"device_map": device_map} if device_map else {}
+    if target is not None and target.type != "cpu":
+        extra = {"device_map": str(target)}
     if resolved.kind == "dir" and (Path(resolved.path) / io.MANIFEST).is_file():
         model = io.load_pretrained(resolved.path, dtype=dtype, trust_remote_code=trust_remote_code, **extra)
         tok = None
@@ -54,7 +62,9 @@ def load_for_eval(source, *, dtype="float32", device_map=None, trust_remote_code
                 raise NormswapError(f"{source}: cannot load its tokenizer ({error})") from error
         return model, tok
     if not device_map:
-        loaded = io.load_model(source, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer)
+        loaded = io.load_model(
+            source, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer, device=target
+        )
         return loaded.model, loaded.tokenizer
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -171,7 +181,7 @@ def make_accelerator():
 
 
 def _device(model):
-    return model.get_input_embeddings().weight.device
+    return model_device(model)
 
 
 @torch.no_grad()
@@ -204,6 +214,7 @@ def summarize(records: torch.Tensor) -> dict:
     }
 
 
+@exact_float32()
 def evaluate(original, converted, windows: list[torch.Tensor], accelerator=None, progress: bool = True):
     """Evaluate both models on ``windows``, sharded over the accelerate processes.
 
@@ -251,11 +262,12 @@ def evaluate(original, converted, windows: list[torch.Tensor], accelerator=None,
 @click.option(
     "--device-map", help='Passed to from_pretrained, e.g. "auto" for models bigger than one device.'
 )
+@device_option
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the JSON report here (main process).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the models' own Python code to run.")
 def eval_command(
     model_source, converted, text_file, dataset, dataset_config, split, column, max_tokens, window, dtype,
-    device_map, report, trust_remote_code,
+    device_map, device, report, trust_remote_code,
 ):  # fmt: skip
     """Perplexity, KL and top-1 agreement of --converted vs --model on the same windows of real text.
 
@@ -267,15 +279,11 @@ def eval_command(
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     acc = make_accelerator()
-    original, tokenizer = load_for_eval(
-        model_source, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code
-    )
-    conv, _ = load_for_eval(
-        converted, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, tokenizer=False
-    )
+    target = acc.device if device == "auto" else device  # auto: the device accelerate gave this process
+    kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, device=target)
+    original, tokenizer = load_for_eval(model_source, **kw)
+    conv, _ = load_for_eval(converted, tokenizer=False, **kw)
     for name, model in (("--model", original), ("--converted", conv)):
-        if device_map is None:
-            model.to(acc.device)
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
             raise NormswapError(f"{name} is not a causal LM (no output embeddings to compute logits)")
     text, source = read_text(

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from normswap import dimmap
-from normswap.device import model_device
+from normswap.device import exact_float32, model_device, refuse_offloaded
 from normswap.probe import ProbeError, is_candidate, probe_module
 from normswap.sites import Consumer, NormSite
 
@@ -514,6 +514,7 @@ def _accepts(model: nn.Module, keyword: str) -> bool:
     return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+@exact_float32()
 def walk(model: nn.Module, input_ids: torch.Tensor | None = None) -> Walk:
     """Find the norms of ``model`` and what consumes each one's output.
 
@@ -527,7 +528,9 @@ def walk(model: nn.Module, input_ids: torch.Tensor | None = None) -> Walk:
 
     Raises:
         Whatever the model's forward raises on the example inputs.
+        NormswapError: parameters offloaded by accelerate (``normswap.device.refuse_offloaded``).
     """
+    refuse_offloaded(model)
     tracer, output = trace(model, input_ids)
     flat, _ = tree_flatten(output if not hasattr(output, "to_tuple") else output.to_tuple())
     for t in flat:

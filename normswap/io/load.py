@@ -313,8 +313,10 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     trust_remote_code: bool = False,
     tokenizer: bool = True,
+    device: str | torch.device | None = "cpu",
+    device_map: str | dict | None = None,
 ) -> LoadedModel:
-    """Resolve MODEL ``source`` and load model and tokenizer, in eval mode on the CPU.
+    """Resolve MODEL ``source`` and load model and tokenizer, in eval mode on ``device``.
 
     Args:
         source: hub id, model directory, ``.gguf`` file or short name (see the module docstring).
@@ -322,6 +324,10 @@ def load_model(
             ``"float16"``, ``"float64"`` or a ``torch.dtype``). GGUF weights are dequantized into it.
         trust_remote_code: allow transformers to run Python code shipped with the model.
         tokenizer: also load the tokenizer (``LoadedModel.tokenizer`` is ``None`` otherwise).
+        device: ``"cpu"`` (default), ``"auto"`` (the first CUDA GPU if any), ``"cuda"``, ``"cuda:N"`` or a
+            ``torch.device`` (``normswap.device.resolve_device``); the weights load straight onto it.
+        device_map: passed to ``from_pretrained`` instead of ``device`` (``"auto"``: accelerate spreads the
+            layers over the GPUs; see README for the memory each mode needs).
 
     Returns:
         ``LoadedModel(model, tokenizer, info)``.
@@ -332,22 +338,32 @@ def load_model(
     """
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+    from normswap.device import resolve_device
+
+    target = resolve_device(str(device)) if device_map is None else None
     resolved = resolve(source)
     dtype = torch_dtype(dtype)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if resolved.gguf_file:
         kwargs["gguf_file"] = resolved.gguf_file
+    placement = {}
+    if device_map is not None:
+        placement["device_map"] = device_map
+    elif target.type != "cpu" and not resolved.gguf_file:  # GGUF dequantizes on the CPU, then moves
+        placement["device_map"] = str(target)
     with _gguf_loading() if resolved.gguf_file else contextlib.nullcontext():
         config = load_config(resolved, trust_remote_code=trust_remote_code)
         causal = is_causal_lm(config)
         auto = AutoModelForCausalLM if causal else AutoModel
         try:
-            model = auto.from_pretrained(resolved.path, config=config, dtype=dtype, **kwargs)
+            model = auto.from_pretrained(resolved.path, config=config, dtype=dtype, **placement, **kwargs)
         except Exception as error:
             raise _load_failure(resolved, "weights", error) from error
         model.eval()
         if resolved.gguf_file:
             _realign(model)
+            if target is not None and target.type != "cpu":
+                model.to(target)
         tok = None
         if tokenizer:
             try:
