@@ -212,10 +212,10 @@ def exact_float32() -> Iterator[None]:
 
     On Ampere and later GPUs torch may run float32 matmuls in TF32 (10-bit mantissa), which moves float32
     logits by ~1e-3 and makes a float32 comparison measure TF32 noise rather than the conversion. Sets
-    ``torch.backends.cuda.matmul.allow_tf32`` and ``torch.backends.cudnn.allow_tf32`` to False and
+    ``torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False`` and
     ``torch.set_float32_matmul_precision("highest")``; when the caller configured TF32 through torch's
-    newer ``fp32_precision`` attributes (which make the legacy flags unreadable), sets those to
-    ``"ieee"`` instead. Harmless on the CPU.
+    newer ``fp32_precision`` attributes (reading the legacy flags then raises), sets those to ``"ieee"``
+    instead (cuBLAS matmul, cuDNN conv and rnn). Harmless on the CPU. Usable as a decorator.
     """
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     try:
@@ -223,20 +223,20 @@ def exact_float32() -> Iterator[None]:
     except RuntimeError:  # TF32 set through the fp32_precision API: mixing the two APIs raises
         saved = None
     if saved is not None:
-        matmul.allow_tf32 = cudnn.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
         try:
+            matmul.allow_tf32 = cudnn.allow_tf32 = False
+            torch.set_float32_matmul_precision("highest")
             yield
-        finally:
+        finally:  # allow_tf32 first: setting it also sets the precision, which then gets its own value
             matmul.allow_tf32, cudnn.allow_tf32 = saved[0], saved[1]
             torch.set_float32_matmul_precision(saved[2])
         return
     targets = [matmul, getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)]
     targets = [t for t in targets if t is not None and hasattr(t, "fp32_precision")]
     before = [t.fp32_precision for t in targets]
-    for t in targets:
-        t.fp32_precision = "ieee"
     try:
+        for t in targets:
+            t.fp32_precision = "ieee"
         yield
     finally:
         for t, value in zip(targets, before, strict=True):
