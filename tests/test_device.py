@@ -240,3 +240,53 @@ def test_offloaded_model_is_refused_in_one_line(case, tmp_path):
         assert "\n" not in message and message.startswith(f"{first}: parameters offloaded by accelerate")
     assert torch.equal(model_outputs(model, ids), before)
     assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
+
+
+# -- on a GPU (benchmarks/gpu_check.sh runs these on the H200) ----------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize(
+    "model_type, norm", [("llama", "keep"), ("gemma3_text", "keep"), ("gpt2", "rmsnorm")]
+)
+def test_cuda_convert_matches_the_cpu_run(model_type, norm):
+    """Same sites as on the CPU, and the converted model on the GPU within 1e-5 of the original on the CPU
+    (float32, TF32 off)."""
+    model = tiny_model(model_type)
+    ids = example_ids()
+    before = model_outputs(model, ids)
+    cpu_sites = [s.to_dict() for s in normswap.inspect(model)]
+    model.cuda()
+    with exact_float32():
+        report = normswap.convert(model, norm=norm)
+        after = model_outputs(model, ids.cuda()).cpu()
+    if norm == "keep":
+        assert [s.to_dict() | {"folded": False, "swapped": False} for s in report.sites] == cpu_sites
+    assert report.norms_found == report.norms_swapped > 0
+    assert (after - before).abs().max().item() <= TOL
+
+
+@cuda
+def test_cuda_bfloat16_model_finds_every_norm():
+    """The first GPU run's fault: a bfloat16 Llama on CUDA gave "no normalization module found"."""
+    model = tiny_model("llama").to("cuda", torch.bfloat16)
+    report = normswap.convert(model)
+    assert report.norms_found == report.norms_folded == 5
+
+
+@cuda
+def test_cuda_dispatched_model_keeps_its_hooks():
+    from accelerate import dispatch_model
+
+    model = tiny_model("llama", tie_word_embeddings=False)
+    ids = example_ids()
+    before = model_outputs(model, ids)
+    placement = _placement(model) | {"model.layers.0": 0, "model.norm": 0, "lm_head": 0}
+    dispatch_model(model, device_map=placement, main_device="cpu", force_hooks=True)
+    with exact_float32():
+        report = normswap.convert(model)
+        after = model_outputs(model, ids)
+    assert report.norms_folded == 5 and model.lm_head.weight.device.type == "cuda"
+    assert (after.cpu() - before).abs().max().item() <= TOL
