@@ -1,34 +1,147 @@
 #!/usr/bin/env bash
-# The GPU checks of the kernels (docs/KERNELS.md) in one run, for a machine with a CUDA GPU:
-#   1. the kernel tests of tests/test_kernels.py that need CUDA or triton (auto/triton/torch backends
-#      against the HF modules on the GPU in three dtypes, the Triton residual variant), plus the compile
-#      tests;
-#   2. `normswap bench --device cuda`: every norm vs a same-size copy and F.rms_norm, with the verdict
-#      against the GPU targets (>= 80% of the copy's bandwidth in bfloat16 at hidden >= 2048, faster
-#      than F.rms_norm) on the lines starting with "target".
-# Needs python3 with a CUDA build of torch, triton, transformers, click, tqdm, pytest; no network: normswap
-# runs from this checkout (PYTHONPATH), so nothing is installed. Results go to $OUT (default
-# benchmarks/results/cuda): tests.log, bench.log, norm_kernels.json (+ .png with matplotlib).
+# The GPU acceptance run of normswap, in one go, on a machine with one CUDA GPU (about 4 minutes on an H200):
+#   tests     the CUDA tests: kernels (auto/triton/torch/compiled backends against the HF modules in three
+#             dtypes, the Triton residual variant) and devices (convert on the GPU equals the CPU run, bf16
+#             finds every norm, a model spread over CPU and GPU by accelerate), plus the meta-device guard;
+#   zoo       `normswap zoo --device cuda`: every tiny architecture converted on the GPU in float32 (TF32
+#             off), every row within 1e-5 of the unconverted model;
+#   bench     `normswap bench --device cuda --quick`: the kernel benchmark runs on CUDA (one shape);
+#   llama     a random-weight ~1B Llama (bfloat16, norms re-randomized, benchmarks/gpu_models.py) saved to
+#             disk, then `normswap convert DIR --dtype bfloat16 --device cuda`: the bf16 check must pass;
+#   gemma3    the same for a Gemma-3-style model (1+w norms, sandwich and q/k norms);
+#   devmap    `normswap convert` of the Llama with `--device-map auto` (accelerate's placement);
+#   time      prefill (8 x 2048) and decode (32 tokens) of the original vs the converted Llama: the converted
+#             one must not be slower (3% slack for noise).
+# Each part writes a log under $OUT and one summary line (PASS/FAIL/SKIP) to $OUT/summary.txt; the exit
+# code is 1 when any part fails, 2 when the machine cannot run the check at all.
+#
+# Needs python3 with a CUDA build of torch, triton, transformers, accelerate, click, tqdm, pytest
+# (matplotlib optional); no network: normswap runs from this checkout (PYTHONPATH), nothing is installed.
 #
 #   OUT=/some/dir bash benchmarks/gpu_check.sh
+#   DEVICE=cpu SIZE=tiny ZOO_ONLY="llama gemma3_text" bash benchmarks/gpu_check.sh   # CPU dry run (tests, CI)
+#
+# DEVICE (cuda) is where everything runs; SIZE (1b) the size of the generated models (tiny: hidden 64);
+# ZOO_ONLY limits the zoo to some rows; PARTS ("tests zoo bench llama gemma3 devmap time") picks parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/cuda}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 - <<'PY' || exit 2
-import sys
+DEVICE=${DEVICE:-cuda}
+SIZE=${SIZE:-1b}
+ZOO_ONLY=${ZOO_ONLY:-}
+PARTS=${PARTS:-tests zoo bench llama gemma3 devmap time}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+if [ "$SIZE" = tiny ]; then
+  TIMING=(--batch 2 --prefill 64 --decode 8 --rounds 3 --slack 100)  # a dry run times nothing meaningful
+else
+  TIMING=(--batch 8 --prefill 2048 --decode 32 --rounds 5)
+fi
+
+DEVICE="$DEVICE" python3 - <<'PY' || exit 2
+import os, sys
 try:
-    import torch, triton
+    import torch, transformers, accelerate
 except ImportError as error:
-    sys.exit(f"gpu_check: {error} (needs a CUDA build of torch and triton)")
-if not torch.cuda.is_available():
-    sys.exit("gpu_check: this torch sees no CUDA device")
-print("torch", torch.__version__, "triton", triton.__version__, "gpu", torch.cuda.get_device_name())
+    sys.exit(f"gpu_check: {error}")
+device = os.environ["DEVICE"]
+if device.startswith("cuda") and not torch.cuda.is_available():
+    sys.exit("gpu_check: this torch sees no CUDA device (DEVICE=cpu SIZE=tiny for a dry run)")
+gpu = torch.cuda.get_device_name() if device.startswith("cuda") else "none (dry run)"
+print("gpu_check: torch", torch.__version__, "transformers", transformers.__version__, "accelerate",
+      accelerate.__version__, "gpu", gpu)
 PY
 mkdir -p "$OUT"
-python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda or triton or compiled" 2>&1 | tee "$OUT/tests.log"
-tests=${PIPESTATUS[0]}
-python3 -m normswap bench --device cuda --rounds 30 --out "$OUT" 2>&1 | tee "$OUT/bench.log"
-bench=${PIPESTATUS[0]}
-echo "tests exit $tests, bench exit $bench"
-exit $(( tests != 0 || bench != 0 ))
+: >"$OUT/summary.txt"
+MODELS="$OUT/models"
+rm -rf "$MODELS"
+mkdir -p "$MODELS"
+failed=0
+
+# Steps that are more than one command, run by `part` in a child bash (exported below).
+convert_new() {  # convert_new NAME MODEL_TYPE [normswap convert options...]: generate, then convert
+  local name=$1 type=$2
+  shift 2
+  python3 benchmarks/gpu_models.py make "$type" --size "$SIZE" --device "$DEVICE" --out "$MODELS/$name" &&
+    python3 -m normswap convert "$MODELS/$name" --dtype bfloat16 -o "$MODELS/$name-converted" \
+      --report "$OUT/$name.json" "$@"
+  local rc=$?
+  [ -f "$OUT/$name.json" ] && report_line "$OUT/$name.json"
+  return $rc
+}
+convert_devmap() {  # the generated Llama again, placed by accelerate (--device-map auto)
+  python3 -m normswap convert "$MODELS/llama" --dtype bfloat16 --device-map auto -o "$MODELS/llama-devmap" \
+    --report "$OUT/devmap.json"
+  local rc=$?
+  [ -f "$OUT/devmap.json" ] && report_line "$OUT/devmap.json"
+  return $rc
+}
+report_line() {  # report_line REPORT.json: norms and the check's verdict in one line
+  python3 - "$1" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+c = r.get("check") or {}
+print(f"{r['norms_found']} found / {r['norms_folded']} folded / {r['norms_swapped']} swapped; check "
+      f"{'PASSED' if c.get('passed') else 'FAILED'}: max |logit diff| {c.get('max_abs_logit_diff'):.3g}, "
+      f"KL {c.get('kl_mean'):.3g}, top-1 {c.get('top1_agreement'):.2%}")
+PY
+}
+zoo_rows() {  # the zoo on $DEVICE; its last line: rows passed and the largest difference
+  local args=()
+  for row in $ZOO_ONLY; do args+=(--only "$row"); done
+  python3 -m normswap zoo --device "$DEVICE" --output "$OUT/zoo.md" "${args[@]}"
+  local rc=$?
+  python3 - "$OUT/zoo.md" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+diffs = [float(m) for m in re.findall(r"^\|[^|]+\|[^|]+\|[^|]+\|[^|]+\|[^|]+\| ([0-9.e+-]+) \|", text, re.M)]
+print(re.search(r"\*\*(.*)\*\*", text).group(1), f"max abs diff over rows {max(diffs):.1e} (float32, <= 1e-5)")
+PY
+  return $rc
+}
+export -f report_line convert_new convert_devmap zoo_rows
+export OUT DEVICE SIZE ZOO_ONLY MODELS
+
+# part NAME LIMIT_S COMMAND...: run COMMAND (log in $OUT/NAME.log), one summary line from its last line
+part() {
+  local name=$1 limit=$2
+  shift 2
+  if [[ " $PARTS " != *" $name "* ]]; then
+    echo "SKIP $name" | tee -a "$OUT/summary.txt"
+    return 0
+  fi
+  local t0=$SECONDS
+  timeout "$limit" bash -c '"$@"' part "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  local last
+  last=$(grep -v '^\s*$' "$OUT/$name.log" | tail -n 1 | cut -c1-200)
+  local verdict=PASS
+  if [ $rc -ne 0 ]; then
+    verdict=FAIL
+    failed=1
+    [ $rc -eq 124 ] && last="timed out after ${limit} s; $last"
+  fi
+  echo "$verdict $name ($((SECONDS - t0)) s, exit $rc): $last" | tee -a "$OUT/summary.txt"
+}
+
+if [ "${DEVICE%%:*}" = cuda ]; then
+  part tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_device.py tests/test_device_guard.py \
+    tests/test_kernels.py -k "cuda or triton or compiled or meta or device"
+  part bench 60 python3 -m normswap bench --device "$DEVICE" --quick --out "$OUT/bench"
+else
+  echo "SKIP tests, bench: CUDA only (DEVICE=$DEVICE)" | tee -a "$OUT/summary.txt"
+fi
+part zoo 120 zoo_rows
+part llama 120 convert_new llama llama --device "$DEVICE"
+part gemma3 120 convert_new gemma3 gemma3_text --device "$DEVICE"
+if [ -d "$MODELS/llama-converted" ]; then
+  part devmap 90 convert_devmap
+  part time 90 python3 benchmarks/gpu_models.py time "$MODELS/llama" "$MODELS/llama-converted" \
+    --device "$DEVICE" --json "$OUT/timings.json" "${TIMING[@]}"
+else
+  echo "FAIL devmap, time: no converted Llama (part llama failed)" | tee -a "$OUT/summary.txt"
+  failed=1
+fi
+rm -rf "$MODELS"  # ~6 GB of random weights at SIZE=1b
+echo "gpu_check: $(grep -c '^PASS' "$OUT/summary.txt") passed, $(grep -c '^FAIL' "$OUT/summary.txt") failed;" \
+  "logs and results in $OUT"
+exit $failed

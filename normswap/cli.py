@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from normswap.errors import NormswapError
+from normswap.options import device_option
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -74,7 +75,12 @@ def _load_options(f=None, *, dtype_help="Precision the model is loaded, converte
         show_default=True,
         help=dtype_help,
     )(f)
-    return f
+    f = click.option(
+        "--device-map",
+        help='Passed to from_pretrained instead of --device: "auto" spreads the layers over the GPUs '
+        "(a model bigger than one GPU; offloaded layers are refused).",
+    )(f)
+    return device_option(f)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -139,13 +145,13 @@ def main() -> None:
     help="Tokenizer for the check's text (hub id or directory) [default: MODEL's own; without one, the "
     "check runs on ids drawn from the vocabulary with a fixed seed].",
 )
-def convert(
-    model, output, report, norm, dtype, trust_remote_code, tokens, force, overwrite, no_untie, tokenizer_name
-):
+def convert(model, output, report, norm, dtype, trust_remote_code, device, device_map, tokens, force,
+            overwrite, no_untie, tokenizer_name):  # fmt: skip
     """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
     from normswap import io
     from normswap.check import compare, reference_outputs
     from normswap.convert import convert as convert_model
+    from normswap.convert import no_norms_message
     from normswap.walk import walk
 
     _quiet_transformers()
@@ -155,14 +161,19 @@ def convert(
     t0 = time.perf_counter()
     _step(f"loading {model} ({dtype}) ...")
     loaded = io.load_model(
-        model, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer_name or True
+        model,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        tokenizer=tokenizer_name or True,
+        device=device,
+        device_map=device_map,
     )
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
     input_ids, check_input = _check_ids(model, loaded, tokens)
     _step("finding the norms and their consumers ...")
     traced = walk(loaded.model, input_ids)
     if not traced.sites:
-        raise NormswapError(f"{model}: no normalization modules found; nothing to convert")
+        raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
     _step(f"running the original on {input_ids.shape[-1]} tokens ...")
     reference = reference_outputs(loaded.model, input_ids, sites=traced.sites)
     _step("converting ...")
@@ -230,18 +241,24 @@ def _check_ids(model: str, loaded, tokens: int | None):
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path), help="Write the site list as JSON here."
 )
-def inspect(model, dtype, trust_remote_code, json_path):
+def inspect(model, dtype, trust_remote_code, device, device_map, json_path):
     """List every norm of MODEL: kind, convention, eps, cast order, consumers, foldable or why not."""
     from normswap import io
-    from normswap.convert import inspect as inspect_model
+    from normswap.convert import no_norms_message
+    from normswap.walk import walk
 
     _quiet_transformers()
     if json_path is not None:
         io.check_output_file(json_path, [model])
-    loaded = io.load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
-    sites = inspect_model(loaded.model)
+    loaded = io.load_model(
+        model, dtype=dtype, trust_remote_code=trust_remote_code, device=device, device_map=device_map
+    )
+    traced = walk(loaded.model)
+    sites = traced.sites
+    for name, error in traced.probe_failures.items():
+        click.echo(f"normswap: warning: {name}: probing failed ({error}); not listed as a norm", err=True)
     if not sites:
-        raise NormswapError(f"{model}: no normalization modules found")
+        raise NormswapError(f"{model}: {no_norms_message(traced)}")
     if json_path is not None:
         io.write_json(json_path, [site.to_dict() for site in sites])
     click.echo(_site_table(sites))
@@ -339,10 +356,12 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
 @main.command()
 @click.option("--output", "-o", type=click.Path(path_type=Path), help="Write the Markdown table here.")
 @click.option("--only", multiple=True, metavar="NAME", help="Run only these zoo rows (repeatable).")
-def zoo(output, only):
+@device_option
+def zoo(output, only, device):
     """Convert every tiny zoo model, check it, print (or write) the coverage table; exit 1 if a row fails."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from normswap import zoo as zoo_lib
+    from normswap.device import resolve_device
 
     _quiet_transformers()
     names = {e.name for e in zoo_lib.ZOO}
@@ -354,7 +373,9 @@ def zoo(output, only):
 
         check_output_file(output)
     entries = [e for e in zoo_lib.ZOO if not only or e.name in only]
-    results = zoo_lib.run_zoo(entries, progress=lambda r: _step(f"{r.name}: {'ok' if r.passed else 'FAIL'}"))
+    target = resolve_device(device)
+    progress = lambda r: _step(f"{r.name}: {'ok' if r.passed else 'FAIL'}")  # noqa: E731
+    results = zoo_lib.run_zoo(entries, progress=progress, device=target)
     table = zoo_lib.coverage_markdown(results)
     if output is not None:
         from normswap.io import write_text

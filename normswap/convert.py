@@ -79,6 +79,16 @@ def trace_inputs(input_ids: torch.Tensor | None = None, example_inputs=None):
     return ExampleInputs.of(example_inputs)
 
 
+def no_norms_message(result: Walk) -> str:
+    """``"no normalization module found"``, plus how many candidates failed to probe and the first error."""
+    message = "no normalization module found"
+    if result.probe_failures:
+        name, error = next(iter(result.probe_failures.items()))
+        count = len(result.probe_failures)
+        message += f" ({count} candidate{'s' if count > 1 else ''} failed to probe; {name}: {error})"
+    return message
+
+
 def inspect(
     model: nn.Module, input_ids: torch.Tensor | None = None, *, example_inputs=None
 ) -> list[NormSite]:
@@ -146,7 +156,7 @@ def convert(
     inputs = trace_inputs(input_ids, example_inputs)
     result = traced if traced is not None else walk(model, inputs)
     if not result.sites:
-        raise NormswapError(f"{_model_name(model)}: no normalization module found")
+        raise NormswapError(f"{_model_name(model)}: {no_norms_message(result)}")
     centering = None
     if norm == "rmsnorm":
         from normswap.center import center

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import click
 
 from normswap.errors import NormswapError
+from normswap.options import device_option
 
 if TYPE_CHECKING:
     import torch
@@ -28,12 +29,15 @@ if TYPE_CHECKING:
 _FIELDS = ("window", "nll_original", "nll_converted", "kl_sum", "top1", "positions", "targets", "max_abs")
 
 
-def load_for_eval(source, *, dtype="float32", device_map=None, trust_remote_code=False, tokenizer=True):
+def load_for_eval(
+    source, *, dtype="float32", device_map=None, trust_remote_code=False, tokenizer=True, device="cpu"
+):
     """Load MODEL ``source`` for evaluation -> ``(model, tokenizer or None)``, in eval mode.
 
     A directory holding a normswap manifest loads with ``normswap.load_pretrained`` (fused norms in place);
     anything else through ``normswap.io.load_model`` (hub id, directory, ``.gguf``, short name).
-    ``device_map`` (e.g. ``"auto"``) is passed to ``from_pretrained`` (accelerate's big-model inference).
+    ``device_map`` (e.g. ``"auto"``) is passed to ``from_pretrained`` (accelerate's big-model inference);
+    without it the model loads onto ``device`` (``normswap.device.resolve_device``).
 
     Raises:
         NormswapError: the source cannot be resolved or loaded.
@@ -41,9 +45,13 @@ def load_for_eval(source, *, dtype="float32", device_map=None, trust_remote_code
     from transformers import AutoTokenizer
 
     from normswap import io
+    from normswap.device import resolve_device
 
+    target = resolve_device(str(device)) if not device_map else None
     resolved = io.resolve(source)
     extra = {"device_map": device_map} if device_map else {}
+    if target is not None and target.type != "cpu":
+        extra = {"device_map": str(target)}
     if resolved.kind == "dir" and (Path(resolved.path) / io.MANIFEST).is_file():
         model = io.load_pretrained(resolved.path, dtype=dtype, trust_remote_code=trust_remote_code, **extra)
         tok = None
@@ -53,23 +61,11 @@ def load_for_eval(source, *, dtype="float32", device_map=None, trust_remote_code
             except Exception as error:  # a checkpoint saved without tokenizer files
                 raise NormswapError(f"{source}: cannot load its tokenizer ({error})") from error
         return model, tok
-    if not device_map:
-        loaded = io.load_model(source, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer)
-        return loaded.model, loaded.tokenizer
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
-    config = io.load.load_config(resolved, trust_remote_code=trust_remote_code)
-    auto = AutoModelForCausalLM if io.is_causal_lm(config) else AutoModel
-    model = io.load.load_weights(
-        auto, resolved, dtype=io.load.torch_dtype(dtype), device_map=device_map,
-        trust_remote_code=trust_remote_code, **kwargs,
+    loaded = io.load_model(
+        source, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer,
+        device=target if target is not None else "cpu", device_map=device_map or None,
     )  # fmt: skip
-    try:
-        tok = AutoTokenizer.from_pretrained(resolved.path, **kwargs) if tokenizer else None
-    except Exception as error:
-        raise NormswapError(f"{source}: cannot load with device_map={device_map!r} ({error})") from error
-    return model.eval(), tok
+    return loaded.model, loaded.tokenizer
 
 
 def read_text(
@@ -173,7 +169,9 @@ def make_accelerator():
 
 
 def _device(model):
-    return model.get_input_embeddings().weight.device
+    from normswap.device import model_device
+
+    return model_device(model)
 
 
 def window_record(original, converted, ids: torch.Tensor, index: int) -> torch.Tensor:
@@ -190,7 +188,7 @@ def window_record(original, converted, ids: torch.Tensor, index: int) -> torch.T
     m = logit_metrics(logits[0], logits[1], next_token_targets(ids))
     row = (index, m["nll_ref"], m["nll_conv"], m["kl_mean"] * m["rows"], m["top1"] * m["rows"])
     row += (m["rows"], m["n_targets"], m["max_abs"])
-    return torch.tensor([row], dtype=torch.float64)
+    return torch.tensor([row], dtype=torch.float64, device="cpu")
 
 
 def summarize(records: torch.Tensor) -> dict:
@@ -224,6 +222,13 @@ def evaluate(original, converted, windows: list[torch.Tensor], accelerator=None,
     Returns:
         on every process, the metrics dict of :func:`summarize` plus ``num_processes``.
     """
+    from normswap.device import exact_float32
+
+    with exact_float32():
+        return _evaluate(original, converted, windows, accelerator, progress)
+
+
+def _evaluate(original, converted, windows, accelerator, progress):
     import torch
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
@@ -269,11 +274,12 @@ def evaluate(original, converted, windows: list[torch.Tensor], accelerator=None,
 @click.option(
     "--device-map", help='Passed to from_pretrained, e.g. "auto" for models bigger than one device.'
 )
+@device_option
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the JSON report here (main process).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the models' own Python code to run.")
 def eval_command(
     model_source, converted, text_file, dataset, dataset_config, split, column, max_tokens, window, dtype,
-    device_map, report, trust_remote_code,
+    device_map, device, report, trust_remote_code,
 ):  # fmt: skip
     """Perplexity, KL and top-1 agreement of --converted vs --model on the same windows of real text.
 
@@ -288,15 +294,11 @@ def eval_command(
     if report:
         check_output_file(report, [model_source, converted])
     acc = make_accelerator()
-    original, tokenizer = load_for_eval(
-        model_source, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code
-    )
-    conv, _ = load_for_eval(
-        converted, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, tokenizer=False
-    )
+    target = acc.device if device == "auto" else device  # auto: the device accelerate gave this process
+    kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, device=target)
+    original, tokenizer = load_for_eval(model_source, **kw)
+    conv, _ = load_for_eval(converted, tokenizer=False, **kw)
     for name, model in (("--model", original), ("--converted", conv)):
-        if device_map is None:
-            model.to(acc.device)
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
             raise NormswapError(f"{name} is not a causal LM (no output embeddings to compute logits)")
     check_same_model(model_source, original.config, converted, conv.config)

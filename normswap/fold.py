@@ -193,11 +193,11 @@ def _same(a, b) -> bool:
 
 def scale_and_shift(site: NormSite, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The norm's effective float64 scale ``offset + w`` (shape ``(D,)``) and bias ``b`` (or None)."""
-    w = (
-        getattr(module, site.weight).detach().double()
-        if site.weight
-        else torch.zeros(site.shape, dtype=torch.float64)
-    )
+    if site.weight:
+        w = getattr(module, site.weight).detach().double()
+    else:
+        device = getattr(module, site.bias).device if site.bias else "cpu"
+        w = torch.zeros(site.shape, dtype=torch.float64, device=device)
     b = getattr(module, site.bias).detach().double() if site.bias else None
     return w + site.offset, b
 
@@ -281,7 +281,7 @@ def fold_site(model: nn.Module, site: NormSite) -> None:
         weight = model.get_parameter(c.param)
         if shift is not None and c.bias is not None:
             bias = model.get_parameter(c.bias)
-            delta = torch.tensordot(weight.detach().double(), shift, dims=([c.axis], [0]))
+            delta = torch.tensordot(weight.detach().double(), shift.to(weight.device), dims=([c.axis], [0]))
             if delta.shape != bias.shape:
                 raise ValueError(
                     f"{site.name}: bias {c.bias} has shape {tuple(bias.shape)}, W b has {tuple(delta.shape)}"
@@ -291,7 +291,7 @@ def fold_site(model: nn.Module, site: NormSite) -> None:
         shape[c.axis] = -1
         for dim, start, length in _blocks(weight, c.axis):
             block = weight.narrow(dim, start, length)
-            block.copy_((block.double() * scale.reshape(shape)).to(weight.dtype))
+            block.copy_((block.double() * scale.to(weight.device).reshape(shape)).to(weight.dtype))
     if site.weight:
         getattr(norm, site.weight).fill_(1.0 - site.offset)
     if site.bias:

@@ -7,8 +7,9 @@ A module is a norm if, on inputs shaped like the ones it saw in the model, its o
 
 over the last axis, with ``w`` and ``b`` among its own parameters. Nothing here reads class names, attribute
 names or the config: the kind comes from shift invariance, the role of each parameter from how the output
-moves when it is perturbed, the offset and eps from fitting the outputs. All probing runs on copies of the
-module, so the model is never touched.
+moves when it is perturbed, the offset and eps from fitting the outputs. All probing runs on float64 (and
+bfloat16) CPU copies of the module, so the model is never touched and the result does not depend on the
+device the model lives on (a norm module is small: the copy costs a few KiB).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 import torch
 from torch import nn
 
+from normswap.device import cpu_float64_copy
 from normswap.sites import NormSite
 
 # Relative tolerance of the structural tests. Probing runs in float64 where the module lets it; modules that
@@ -72,11 +74,20 @@ def is_candidate(module: nn.Module, input_shape: tuple[int, ...]) -> bool:
     )
 
 
-def _run(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+class ProbeError(RuntimeError):
+    """A norm candidate could not be probed for a reason other than not being a norm (its copy could not be
+    made, or it raised on an input of the very shape it took in the model). ``walk`` reports it, never
+    drops it silently."""
+
+
+def _run(module: nn.Module, x: torch.Tensor, strict: bool = False) -> torch.Tensor | None:
     try:
         with torch.no_grad():
             y = module(x)
-    except Exception:  # noqa: BLE001 - a module that cannot take a probe input is not a norm
+    except Exception as error:  # noqa: BLE001 - a module that cannot take a probe input is not a norm
+        if strict:  # the input has the shape the model called it with: failing on it is unexpected
+            first = str(error).splitlines()[0] if str(error) else ""
+            raise ProbeError(f"{type(error).__name__}: {first}") from error
         return None
     if not isinstance(y, torch.Tensor) or y.shape != x.shape or not y.is_floating_point():
         return None
@@ -91,7 +102,7 @@ def _roles(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: torch.Tensor,
     named = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
     for name, t in named:
         saved = t.data.clone()
-        delta = torch.randn(t.shape, generator=gen, dtype=t.dtype) * 0.25
+        delta = torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) * 0.25
         t.data.add_(delta)
         moved = _run(module, x)
         t.data.copy_(saved)
@@ -159,8 +170,8 @@ def _cast_order(module: nn.Module, site: NormSite, shape: tuple[int, ...], gen: 
 
     if site.weight is None:
         return "fp32"
-    low = copy.deepcopy(module).to(torch.bfloat16)
-    x = (torch.randn(shape, generator=gen) * 3).to(torch.bfloat16)
+    low = module.to(torch.bfloat16)
+    x = (torch.randn(shape, generator=gen, device="cpu") * 3).to(torch.bfloat16)
     y = _run(low, x)
     if y is None:
         return "fp32"
@@ -185,7 +196,7 @@ def _compute_dtype(module: nn.Module, site: NormSite, shape: tuple[int, ...], ge
     from normswap.swap import fused_module
 
     high = copy.deepcopy(module).double()
-    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3
+    x = torch.randn(shape, generator=gen, dtype=torch.float64, device="cpu") * 3
     y = _run(high, x)
     if y is None:
         return None
@@ -228,35 +239,41 @@ def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = ""
         A ``NormSite`` (consumers empty, not yet foldable) or ``None`` if the module is not a norm over the
         last axis with at most a scale and a bias parameter. A norm whose parameters hold NaN or inf is
         probed with those entries replaced by finite ones (``_finite_copy``), so it is still found.
+
+    Raises:
+        ProbeError: a candidate (a leaf whose tensors broadcast over its input) whose float64 CPU copy
+            cannot be made (an offloaded tensor without a value) or raises on a float64 CPU input of the
+            shape it took in the model: whether it is a norm is unknown, so the caller must say so.
     """
     if not is_candidate(module, input_shape):
         return None
-    if nonfinite_tensors(module):
-        module = _finite_copy(module)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(0)
     shape = _probe_shape(input_shape)
-    probe = copy.deepcopy(module).double().eval()
-    for p in probe.parameters():
-        p.requires_grad_(False)
+    try:
+        probe = cpu_float64_copy(module).eval()
+    except ValueError as error:
+        raise ProbeError(f"cannot copy it to the CPU: {error}") from error
+    if nonfinite_tensors(probe):
+        probe = _finite_copy(probe)
+    cpu64 = dict(generator=gen, dtype=torch.float64, device="cpu")
     # Rows with non-zero mean, so RMS-style and mean-subtracting norms differ.
-    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + torch.randn(
-        (*shape[:-1], 1), generator=gen, dtype=torch.float64
-    )
-    y = _run(probe, x)
+    x = torch.randn(shape, **cpu64) * 3 + torch.randn((*shape[:-1], 1), **cpu64)
+    y = _run(probe, x, strict=True)
     if y is None:
         return None
     scaled = _run(probe, x * 4.0)
     if scaled is None or not _close(scaled, y):
         return None
-    shifted = _run(probe, x + 7.0 * torch.randn((*shape[:-1], 1), generator=gen, dtype=torch.float64))
+    shifted = _run(probe, x + 7.0 * torch.randn((*shape[:-1], 1), **cpu64))
     kind = "layernorm" if shifted is not None and _close(shifted, y) else "rmsnorm"
     n = _normalize(x, kind)
     roles = _roles(probe, x, y, n, gen)
     if roles is None:
         return None
     scale_name, bias_name = roles
-    w = getattr(probe, scale_name).double() if scale_name else torch.zeros(())
-    b = getattr(probe, bias_name).double() if bias_name else torch.zeros(())
+    zero = torch.zeros((), dtype=torch.float64, device="cpu")
+    w = getattr(probe, scale_name).double() if scale_name else zero
+    b = getattr(probe, bias_name).double() if bias_name else zero
     # offset: y - b = (offset + w) * n, read where |n| is well away from 0.
     mask = n.abs() > 0.5
     offset = (((y - b) / n - w)[mask]).median().item()
@@ -289,6 +306,6 @@ def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = ""
         cast_order="fp32",
         dtype=str(ref_tensor.dtype).removeprefix("torch.") if ref_tensor is not None else "none",
     )
-    site.cast_order = _cast_order(module, site, shape, gen)
-    site.compute_dtype = _compute_dtype(module, site, shape, gen)
+    site.compute_dtype = _compute_dtype(probe, site, shape, gen)
+    site.cast_order = _cast_order(probe, site, shape, gen)  # last: it turns the probe copy to bfloat16
     return site

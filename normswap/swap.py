@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from normswap.device import carry_hook
 from normswap.kernels import FusedLayerNorm, FusedRMSNorm
 from normswap.sites import NormSite
 
@@ -62,7 +63,9 @@ def swap_norms(model: nn.Module, sites: list[NormSite]) -> int:
         parent_name, _, attr = site.name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         original = getattr(parent, attr)
-        setattr(parent, attr, fused_module(site, original))
+        fused = fused_module(site, original)
+        carry_hook(original, fused)  # device_map placement (accelerate's AlignDevicesHook)
+        setattr(parent, attr, fused)
         site.swapped = True
         count += 1
     return count

@@ -30,6 +30,7 @@ No per-architecture special case lives here; everything is decided by the ops se
 from __future__ import annotations
 
 import inspect
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -39,8 +40,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from normswap import dimmap
-from normswap.probe import is_candidate, nonfinite_tensors, probe_module
+from normswap.device import exact_float32, model_device, refuse_offloaded
+from normswap.probe import ProbeError, is_candidate, nonfinite_tensors, probe_module
 from normswap.sites import Consumer, NormSite
+
+log = logging.getLogger("normswap")
 
 _LINEAR_OPS = {"linear", "matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm", "_grouped_mm", "grouped_mm",
                "grouped_mm_fallback"}  # fmt: skip
@@ -135,12 +139,15 @@ class Walk:
         owners: for each parameter name, every ``(module_name, attribute)`` holding that Parameter object.
         untouched: names of 2-D+ parameters no op used (e.g. experts that got no tokens); a fold never
             depends on them, but a consumer hidden among them would not be seen.
+        probe_failures: norm candidates whose probe failed unexpectedly: module name -> error (each also
+            logged as a warning); such a module may be a norm that is left out of ``sites``.
     """
 
     sites: list[NormSite]
     param_uses: dict[str, list[tuple[str, str]]]
     owners: dict[str, list[tuple[str, str]]]
     untouched: list[str]
+    probe_failures: dict[str, str] = field(default_factory=dict)
 
 
 class _Tracer(TorchFunctionMode):
@@ -536,13 +543,9 @@ def example_inputs(model: nn.Module, inputs: Inputs = None) -> ExampleInputs:
     if input_ids is None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         vocab = int(getattr(text, "vocab_size", None) or 128)
-        gen = torch.Generator().manual_seed(0)
-        input_ids = torch.randint(0, vocab, (2, 16), generator=gen)
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        device = torch.device("cpu")
-    kwargs = {"input_ids": input_ids.to(device)}
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        input_ids = torch.randint(0, vocab, (2, 16), generator=gen, device="cpu")
+    kwargs = {"input_ids": input_ids.to(model_device(model))}
     if _accepts(model, "use_cache"):
         kwargs["use_cache"] = False
     if getattr(config, "is_encoder_decoder", False):
@@ -593,6 +596,7 @@ def _accepts(model: nn.Module, keyword: str) -> bool:
     return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+@exact_float32()
 def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
     """Find the norms of ``model`` and what consumes each one's output.
 
@@ -606,13 +610,16 @@ def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
 
     Raises:
         Whatever the model's forward raises on the example inputs.
+        NormswapError: parameters offloaded by accelerate (``normswap.device.refuse_offloaded``).
     """
+    refuse_offloaded(model)
     tracer, output = trace(model, inputs)
     flat, _ = tree_flatten(output if not hasattr(output, "to_tuple") else output.to_tuple())
     for t in flat:
         if isinstance(t, torch.Tensor) and id(t) in tracer.tags:
             tracer._nonlinear(tracer.tags[id(t)], "output", "is returned as a model output")
-    sites = _sites(tracer)
+    failures: dict[str, str] = {}
+    sites = _sites(tracer, failures)
     sites += _unreached(model, tracer)
     all_params = {name for name in tracer.owners}
     used = set(tracer.param_uses)
@@ -623,8 +630,9 @@ def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
         if site.foldable:
             _guard_untouched(site, untouched, tracer.params)
     return Walk(
-        sites=sites, param_uses=dict(tracer.param_uses), owners=dict(tracer.owners), untouched=untouched
-    )
+        sites=sites, param_uses=dict(tracer.param_uses), owners=dict(tracer.owners), untouched=untouched,
+        probe_failures=failures,
+    )  # fmt: skip
 
 
 def _common_depth(a: str, b: str) -> int:
@@ -663,13 +671,21 @@ def _is_norm_param(name: str, sites: list[NormSite]) -> bool:
     return any(name in (f"{s.name}.{s.weight}", f"{s.name}.{s.bias}") for s in sites)
 
 
-def _sites(tracer: _Tracer) -> list[NormSite]:
+def _sites(tracer: _Tracer, failures: dict[str, str]) -> list[NormSite]:
     found: list[tuple[SourceCall, NormSite, nn.Module]] = []
     for call, module in zip(tracer.calls, tracer.module_of_call, strict=True):
-        site = probe_module(module, call.input_shape, call.module)
+        try:
+            site = probe_module(module, call.input_shape, call.module)
+        except ProbeError as error:
+            if call.module not in failures:
+                log.warning("%s: probing failed (%s); not treated as a norm", call.module, error)
+            failures[call.module] = str(error)
+            continue
         if site is not None:
             found.append((call, site, module))
     names = {site.name for _, site, _ in found}
+    for name in names & failures.keys():  # another call of the same module probed fine
+        del failures[name]
     sites = []
     for call, site, module in found:
         # a parameter-free wrapper around a norm: keep the innermost module only
@@ -707,7 +723,10 @@ def _unreached(model: nn.Module, tracer: _Tracer) -> list[NormSite]:
         shape = tuple(tensors[0].shape) if tensors else ()
         if not 1 <= len(shape) <= 2 or any(tuple(t.shape) != shape for t in tensors):
             continue
-        site = probe_module(module, (2, 4, *shape), name)
+        try:
+            site = probe_module(module, (2, 4, *shape), name)
+        except ProbeError:  # it cannot take the synthetic input: nothing known about it, not listed
+            continue
         if site is not None:
             site.reached, site.foldable, site.reason = False, False, NOT_REACHED
             sites.append(site)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from normswap.device import exact_float32
+
 BASE_CONFIG = dict(
     vocab_size=128,
     hidden_size=64,
@@ -254,15 +256,15 @@ def randomize_norms(model: nn.Module, seed: int = 1) -> None:
     norm bias to U(-0.5, 0.5), in place. Norms are found by ``normswap.inspect`` (behaviour, not names)."""
     from normswap.convert import inspect
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
     for site in inspect(model):
         module = model.get_submodule(site.name)
         for attr, base in ((site.weight, 1.0 - site.offset), (site.bias, 0.0)):
             if attr is None:
                 continue
             p = getattr(module, attr)
-            noise = torch.rand(p.shape, generator=gen, dtype=torch.float64) - 0.5
-            p.copy_((base + noise).to(p.dtype))
+            noise = torch.rand(p.shape, generator=gen, dtype=torch.float64, device="cpu") - 0.5
+            p.copy_((base + noise).to(p.device, p.dtype))
 
 
 def tiny_model(model_type: str, seed: int = 0, **config_overrides) -> nn.Module:
@@ -360,7 +362,8 @@ class CustomLM(nn.Module):
 
 def example_ids(batch: int = 2, seq: int = 16, vocab: int = 128, seed: int = 3) -> torch.Tensor:
     """``(batch, seq)`` int64 token ids from a fixed seed (not the ids ``convert`` traces with)."""
-    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=gen, device="cpu")
 
 
 @torch.no_grad()
@@ -416,15 +419,17 @@ class ZooResult:
 TOLERANCE = 1e-5
 
 
-def run_entry(entry: ZooEntry) -> ZooResult:
-    """Build ``entry``'s tiny model, convert it in place, compare with the unconverted copy."""
+@exact_float32()
+def run_entry(entry: ZooEntry, device: str | torch.device = "cpu") -> ZooResult:
+    """Build ``entry``'s tiny model (on the CPU, then moved to ``device``), convert it in place, compare with
+    the unconverted copy; float32 throughout, TF32 off."""
     from normswap.convert import convert
 
     result = ZooResult(entry.name, entry.model_type)
     try:
-        model = tiny_model(entry.model_type, **entry.overrides)
+        model = tiny_model(entry.model_type, **entry.overrides).to(device)
         reference = copy.deepcopy(model)
-        ids = example_ids()
+        ids = example_ids().to(device)
         before = model_outputs(reference, ids)
         report = convert(model)
         after = model_outputs(model, ids)
@@ -444,11 +449,12 @@ def run_entry(entry: ZooEntry) -> ZooResult:
     return result
 
 
-def run_zoo(entries: list[ZooEntry] | None = None, progress=None) -> list[ZooResult]:
-    """``run_entry`` over ``entries`` (default ``ZOO``); ``progress(result)`` is called after each row."""
+def run_zoo(entries: list[ZooEntry] | None = None, progress=None, device="cpu") -> list[ZooResult]:
+    """``run_entry`` over ``entries`` (default ``ZOO``) on ``device``; ``progress(result)`` is called after
+    each row."""
     results = []
     for entry in ZOO if entries is None else entries:
-        results.append(run_entry(entry))
+        results.append(run_entry(entry, device))
         if progress is not None:
             progress(results[-1])
     return results

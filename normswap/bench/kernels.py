@@ -61,10 +61,10 @@ def _candidates(x: torch.Tensor, backends: list[str]) -> dict[str, tuple[Callabl
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     d, dt, dev = x.shape[-1], x.dtype, x.device
-    g = torch.Generator().manual_seed(0)
-    w = (1.0 + torch.rand(d, generator=g) - 0.5).to(dev, dt)
-    wg = (torch.rand(d, generator=g) - 0.5).to(dev, dt)
-    b = (torch.rand(d, generator=g) - 0.5).to(dev, dt)
+    g = torch.Generator(device="cpu").manual_seed(0)  # the same values on every device
+    w = (1.0 + torch.rand(d, generator=g, device="cpu") - 0.5).to(dev, dt)
+    wg = (torch.rand(d, generator=g, device="cpu") - 0.5).to(dev, dt)
+    b = (torch.rand(d, generator=g, device="cpu") - 0.5).to(dev, dt)
     llama = LlamaRMSNorm(d, eps=1e-6).to(dev, dt)
     gemma = GemmaRMSNorm(d, eps=1e-6).to(dev, dt)
     ln = nn.LayerNorm(d, eps=1e-5).to(dev, dt)
@@ -181,7 +181,8 @@ def bench_kernels(
     for tokens, hidden in shapes:
         for dname in dtypes:
             dt = getattr(torch, dname)  # checked by check_kernel_args
-            x = (torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)) * 3).to(dev, dt)
+            gen = torch.Generator(device="cpu").manual_seed(1)
+            x = (torch.randn(tokens, hidden, generator=gen, device="cpu") * 3).to(dev, dt)
             cands = _candidates(x, backends)
             first, times, diff = {}, {n: [] for n in cands}, {}
             refs = {r for _, _, r in cands.values() if r is not None}

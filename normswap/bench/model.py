@@ -78,9 +78,9 @@ def bench_model(
         convert(convert_copy)
     del loaded
     vocab = models[("original", 0)].config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (1, prompt_len), generator=g)
-    short = torch.randint(0, vocab, (1, 16), generator=g)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, prompt_len), generator=g, device="cpu")
+    short = torch.randint(0, vocab, (1, 16), generator=g, device="cpu")
     times = {(ph, key): [] for ph in ("prefill", "decode") for key in models}
     tokens = {}
     with torch.inference_mode():

@@ -38,11 +38,13 @@ from normswap.center.biased import BiasedRMSNorm
 from normswap.center.commit import commit, prepare
 from normswap.center.errors import CenteringError
 from normswap.center.plan import CenterResult, plan_centering
+from normswap.device import exact_float32
 from normswap.walk import Walk
 
 __all__ = ["BiasedRMSNorm", "CenterResult", "CenteringError", "center", "plan_centering"]
 
 
+@exact_float32()
 def center(
     model: nn.Module,
     walk: Walk,

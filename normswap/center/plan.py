@@ -135,10 +135,14 @@ def _propagate(finder: Writers, cone: set[Key], writes: dict[Key, list[Write]]):
         if k in writes:
             t = node.out if node is not None else rec.tensors[writes[k][0].param]
             axis = writes[k][0].out_axis % t.ndim
-            index[k] = torch.arange(t.shape[axis]).reshape(-1, *[1] * (t.ndim - 1 - axis)).expand(t.shape)
+            index[k] = torch.arange(t.shape[axis], device="cpu").reshape(-1, *[1] * (t.ndim - 1 - axis))
+            index[k] = index[k].expand(t.shape)  # bookkeeping tensors: on the CPU wherever the model is
             feeds[k] = frozenset([k])
         elif node.op in ops.ZEROS:
-            index[k], feeds[k] = torch.arange(node.out.shape[-1]).expand(node.out.shape), frozenset()
+            index[k], feeds[k] = (
+                torch.arange(node.out.shape[-1], device="cpu").expand(node.out.shape),
+                frozenset(),
+            )
         elif node.op in ops.ROWSUM:
             parts = [(index[o], feeds[o]) for o in ops.rowsum_parts(node)[0]]
             row = parts[0][0].reshape(-1, parts[0][0].shape[-1])[0]
@@ -193,5 +197,5 @@ def _groups(finder: Writers, layer: list[NormSite], index, feeds, writes):
             if len(set(row)) != len(row) or any(owner.get(i, row) != row for i in row):
                 raise refusal(site, f"{param} is normalized in overlapping groups of features")
             owner.update(dict.fromkeys(row, row))
-        groups[(param, axis)] = [torch.tensor(sorted(r)) for r in sorted(rows)]
+        groups[(param, axis)] = [torch.tensor(sorted(r), device="cpu") for r in sorted(rows)]
     return groups, tables

@@ -39,8 +39,8 @@ def check_readers(
     centered: dict[Key, torch.Tensor] = {}
     for source, ws in writes.items():
         w = ws[0]
-        mask = torch.zeros(rec.tensors[w.param].shape[w.axis], dtype=torch.bool)
-        for g in groups.get((w.param, w.axis), [torch.arange(mask.numel())]):
+        mask = torch.zeros(rec.tensors[w.param].shape[w.axis], dtype=torch.bool, device="cpu")
+        for g in groups.get((w.param, w.axis), [torch.arange(mask.numel(), device="cpu")]):
             mask[g] = True
         centered[source] = mask
     for k in in_order(rec, cone):

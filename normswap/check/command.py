@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from normswap.errors import NormswapError
+from normswap.options import device_option
 
 
 def _manifest_sites(path) -> list:
@@ -42,10 +43,21 @@ def _manifest_sites(path) -> list:
     help="Override the tolerance on the max abs logit difference.",
 )
 @click.option("--device-map", help='Passed to from_pretrained, e.g. "auto".')
+@device_option
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the CheckResult as JSON here.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the models' own Python code to run.")
 def check_command(
-    original, converted, tokens, text_file, dtype, greedy, max_abs, device_map, report, trust_remote_code
+    original,
+    converted,
+    tokens,
+    text_file,
+    dtype,
+    greedy,
+    max_abs,
+    device_map,
+    device,
+    report,
+    trust_remote_code,
 ):
     """Compare CONVERTED against ORIGINAL (two MODELs, e.g. checkpoint directories) on real text.
 
@@ -69,7 +81,7 @@ def check_command(
         check_output_file(report, [original, converted])
     resolve(original)  # bad paths fail here, before the (slow) load of the other model
     converted_config = load.load_config(resolve(converted), trust_remote_code=trust_remote_code)
-    kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code)
+    kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, device=device)
     model, tokenizer = load_for_eval(original, **kw)
     if tokenizer is None:
         raise NormswapError(f"{original}: no tokenizer found")

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from normswap.device import exact_float32, model_device
 from normswap.errors import NormswapError
 
 from .localize import Capture, Probe, localize, plan_probes, rel_errors
@@ -142,10 +143,7 @@ def peak_rss_mib() -> float:
 
 
 def _device(model: torch.nn.Module) -> torch.device:
-    try:
-        return model.get_input_embeddings().weight.device
-    except (AttributeError, NotImplementedError):
-        return next(model.parameters()).device
+    return model_device(model)
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -229,6 +227,7 @@ def _greedy(model, input_ids: torch.Tensor, n: int) -> torch.Tensor:
     return out[:, ids.shape[1] :].cpu()
 
 
+@exact_float32()
 def reference_outputs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -286,6 +285,7 @@ def reference_outputs(
     return ref
 
 
+@exact_float32()
 def compare(
     reference: Reference,
     converted_model: torch.nn.Module,

@@ -67,7 +67,7 @@ def plan_probes(model: torch.nn.Module, sites) -> list[Probe]:
 
 def sample_positions(seq_len: int) -> torch.Tensor:
     """At most MAX_POSITIONS token positions in ``[0, seq_len)``, evenly spaced, first and last included."""
-    return torch.linspace(0, seq_len - 1, min(seq_len, MAX_POSITIONS)).round().long().unique()
+    return torch.linspace(0, seq_len - 1, min(seq_len, MAX_POSITIONS), device="cpu").round().long().unique()
 
 
 def _first_tensor(value):

@@ -63,7 +63,7 @@ def default_input_ids(tokenizer, num_tokens: int = 512) -> torch.LongTensor:
                     f"the tokenizer turns {num_tokens} tokens of English text into only {distinct} distinct "
                     "ids (missing tokenizer files?); the check would run on meaningless input"
                 )
-            return torch.tensor([ids[:num_tokens]], dtype=torch.long)
+            return torch.tensor([ids[:num_tokens]], dtype=torch.long, device="cpu")
     raise ValueError(f"the default text gives only {len(ids)} tokens, fewer than the {num_tokens} asked for")
 
 

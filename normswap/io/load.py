@@ -488,9 +488,11 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     trust_remote_code: bool = False,
     tokenizer: bool | str | Path = True,
+    device: str | torch.device | None = "cpu",
+    device_map: str | dict | None = None,
 ) -> LoadedModel:
     """Resolve MODEL ``source`` and load model (with its own head, see ``auto_class_name``) and tokenizer,
-    in eval mode on the CPU.
+    in eval mode on ``device``.
 
     Args:
         source: hub id, model directory, ``.gguf`` file or short name (see the module docstring).
@@ -500,6 +502,10 @@ def load_model(
         tokenizer: ``True``: the model's own tokenizer (``None`` for a model directory without tokenizer
             files); a hub id or directory: that tokenizer; ``False``: none (``LoadedModel.tokenizer`` is
             ``None``).
+        device: ``"cpu"`` (default), ``"auto"`` (the first CUDA GPU if any), ``"cuda"``, ``"cuda:N"`` or a
+            ``torch.device`` (``normswap.device.resolve_device``); the weights load straight onto it.
+        device_map: passed to ``from_pretrained`` instead of ``device`` (``"auto"``: accelerate spreads the
+            layers over the GPUs; see README for the memory each mode needs).
 
     Returns:
         ``LoadedModel(model, tokenizer, info)``.
@@ -512,22 +518,34 @@ def load_model(
     """
     import transformers
 
+    from normswap.device import resolve_device
+
+    target = resolve_device(str(device)) if device_map is None else None
     resolved = resolve(source)
     dtype = torch_dtype(dtype)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if resolved.gguf_file:
         kwargs["gguf_file"] = resolved.gguf_file
+    placement = {}
+    if device_map is not None:
+        placement["device_map"] = device_map
+    elif target.type != "cpu" and not resolved.gguf_file:  # GGUF dequantizes on the CPU, then moves
+        placement["device_map"] = str(target)
     with _gguf_loading() if resolved.gguf_file else contextlib.nullcontext():
         config = load_config(resolved, trust_remote_code=trust_remote_code)
         try:
             auto_name = auto_class_name(config)
         except NormswapError as error:
             raise NormswapError(f"{resolved.source}: {error}") from error
-        model = load_weights(getattr(transformers, auto_name), resolved, config=config, dtype=dtype, **kwargs)
+        model = load_weights(
+            getattr(transformers, auto_name), resolved, config=config, dtype=dtype, **placement, **kwargs
+        )
         _check_named_class(resolved, config, model)
         model.eval()
         if resolved.gguf_file:
             _realign(model)
+            if target is not None and target.type != "cpu":
+                model.to(target)
         tok = None
         if tokenizer is not False:
             name = None if tokenizer is True else tokenizer

@@ -2,9 +2,11 @@
 
 Inductor turns each norm into one fused loop per row (a C++/OpenMP kernel on CPU, Triton on CUDA) that
 reads the input once from memory and writes the output once, instead of the five or six full passes of
-the eager op sequence. The cast order survives compilation because we compile with inductor's
-``emulate_precision_casts`` (see ``compiled_function``), so results differ from eager only by the float32
-summation order of the reduction.
+the eager op sequence. The cast order survives compilation: the "llama" order rounds to the input dtype
+with integer ops on the float32 bits (``_round_bits``), which inductor cannot fuse away (with torch 2.11 it
+dropped the ``n.to(bf16)`` round trip despite ``emulate_precision_casts``, also set in
+``compiled_function``), so results differ from eager only by the float32 summation order of the reduction
+(bit-identical in bfloat16 on the test shapes).
 
 The first call for each (function, dtypes, trailing shape, eps) compiles, which costs seconds (about 15 s
 for the first kernel of a fresh process on a 2-core CPU, less once inductor's on-disk cache is warm; see
@@ -28,21 +30,74 @@ _RECOMPILE_LIMIT = 64
 MIN_ELEMENTS = 8192
 
 
+# Mantissa bits float32 has beyond each low precision: rounding drops them (round to nearest, ties to even).
+_DROPPED_BITS = {torch.bfloat16: 16, torch.float16: 13}
+
+
+def _round_bits(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``t`` rounded to ``dtype``'s precision, still in float32, with integer ops on its bits.
+
+    ``t.to(dtype).to(torch.float32)`` is a pair of casts inductor may fuse away (Triton and C++ kernels
+    compute in float32 and keep the unrounded value); integer arithmetic it cannot. Exact for bfloat16 and
+    for float16's normal range (a float16 subnormal keeps a few more bits here and is rounded again by the
+    cast that follows: within its ulp).
+    """
+    k = _DROPPED_BITS[dtype]
+    bits = t.view(torch.int32)
+    bits = (bits + ((1 << (k - 1)) - 1) + ((bits >> k) & 1)) & -(1 << k)
+    return bits.view(torch.float32)
+
+
+def _exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a bfloat16/float16 result inductor may hold unrounded in float32) with its rounding made
+    explicit; other dtypes unchanged."""
+    if t.dtype not in _DROPPED_BITS:
+        return t
+    return _round_bits(t.float(), t.dtype).to(t.dtype)
+
+
+def _llama_finish(
+    n: torch.Tensor, x_dtype: torch.dtype, w: torch.Tensor | None, b: torch.Tensor | None
+) -> torch.Tensor:
+    """``reference._finish`` in "llama" order with every low-precision rounding explicit: the normalized
+    ``n`` rounded to the input dtype, then ``w * y`` and ``+ b`` each rounded to their result dtype, as eager
+    torch rounds them (``emulate_precision_casts`` asks inductor for the same; this does not depend on it)."""
+    y = (
+        _round_bits(n, x_dtype).to(x_dtype)
+        if x_dtype in _DROPPED_BITS and n.dtype == torch.float32
+        else n.to(x_dtype)
+    )
+    if w is not None:
+        y = _exact(w * y)
+    if b is not None:
+        y = _exact(y + b)
+    return y
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float, cast_order: str) -> torch.Tensor:
-    return ref.rms_norm_math(x, w, eps, cast_order)
+    if cast_order != "llama":
+        return ref.rms_norm_math(x, w, eps, cast_order)
+    xf = x.to(ref.compute_dtype(x.dtype))
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return _llama_finish(n, x.dtype, w, None)
 
 
 def _layer(
     x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float, cast_order: str
 ) -> torch.Tensor:
-    return ref.layer_norm_math(x, w, b, eps, cast_order)
+    if cast_order != "llama":
+        return ref.layer_norm_math(x, w, b, eps, cast_order)
+    xf = x.to(ref.compute_dtype(x.dtype))
+    centered = xf - xf.mean(-1, keepdim=True)
+    n = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
+    return _llama_finish(n, x.dtype, w, b)
 
 
 def _add_rms(
     x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor | None, eps: float, cast_order: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    h = x + residual
-    return ref.rms_norm_math(h, w, eps, cast_order), h
+    h = _exact(x + residual)
+    return _rms(h, w, eps, cast_order), h
 
 
 _CACHE: dict = {}

@@ -148,9 +148,10 @@ def layer_norm_torch(
 ) -> torch.Tensor:
     """LayerNorm through ``F.layer_norm`` (fused on CPU and CUDA); bit-exact to ``nn.LayerNorm``.
 
-    In ``"fp32"`` order with ``(D,)`` parameters, half/bfloat16 inputs go in as they are: torch's kernel
-    accepts float32 parameters with a low-precision input, computes in float32 and rounds once, which is
-    what ``nn.LayerNorm`` does. Other cases normalize with ``F.layer_norm`` and apply the affine part
+    In ``"fp32"`` order with ``(D,)`` parameters, half/bfloat16 inputs go in as they are on the CPU: torch's
+    CPU kernel accepts float32 parameters with a low-precision input, computes in float32 and rounds once,
+    which is what ``nn.LayerNorm`` does; elsewhere (CUDA) the input is upcast to float32 first and the
+    result rounded once. Other cases normalize with ``F.layer_norm`` and apply the affine part
     separately.
     """
     d = x.shape[-1]
@@ -161,7 +162,9 @@ def layer_norm_torch(
         # Parameter-free float16 goes the upcast way below: that is OLMo's formula, and torch's native
         # float16 kernel differs from it by 1 ulp on some elements.
         low = x.dtype == torch.bfloat16 or (x.dtype == torch.float16 and w is not None)
-        if low and same and x.device.type in ("cpu", "cuda"):
+        # Only the CPU kernel takes float32 parameters with a half input; CUDA's wants one dtype ("expected
+        # scalar type BFloat16 but found Float") and goes the upcast way below (float32 math, one rounding).
+        if low and same and x.device.type == "cpu":
             return F.layer_norm(x, (d,), w, b, eps)
         if x.dtype == cdt and same:
             return F.layer_norm(x, (d,), w, b, eps)
