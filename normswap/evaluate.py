@@ -253,17 +253,40 @@ def evaluate(original, converted, windows: list[torch.Tensor], accelerator=None,
 )
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the JSON report here (main process).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the models' own Python code to run.")
+@click.option("--tasks", help="Comma-separated lm-eval tasks (e.g. arc_easy,hellaswag): run them paired "
+              "instead of the perplexity evaluation (needs `pip install 'normswap[eval]'`).")  # fmt: skip
+@click.option("--include-path", type=click.Path(file_okay=False), help="Folder of extra lm-eval task YAMLs.")
+@click.option("--limit", type=click.IntRange(min=1), help="At most N documents per task (with --tasks).")
+@click.option("--num-fewshot", type=click.IntRange(min=0), help="Few-shot examples (with --tasks).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="lm-eval requests per forward pass (with --tasks).")  # fmt: skip
 def eval_command(
     model_source, converted, text_file, dataset, dataset_config, split, column, max_tokens, window, dtype,
-    device_map, report, trust_remote_code,
+    device_map, report, trust_remote_code, tasks, include_path, limit, num_fewshot, batch_size,
 ):  # fmt: skip
-    """Perplexity, KL and top-1 agreement of --converted vs --model on the same windows of real text.
+    """Perplexity, KL and top-1 agreement of --converted vs --model on the same windows of real text;
+    with --tasks, lm-evaluation-harness tasks on both models, compared item by item.
 
-    Runs unchanged under `accelerate launch [--cpu] --num_processes K -m normswap eval ...`: windows are
-    sharded across processes and the results gathered; only the main process prints and writes --report.
+    Runs unchanged under `accelerate launch [--cpu] --num_processes K -m normswap eval ...`: windows (or
+    lm-eval's documents) are sharded across processes and the results gathered; only the main process
+    prints and writes --report.
     """
     from transformers.utils import logging as hf_logging
 
+    from normswap import io
+
+    if report:
+        io.check_output_file(report, [model_source, converted])
+    manager = None
+    if tasks is not None:
+        from normswap import lmeval
+
+        if text_file is not None or dataset is not None:
+            raise NormswapError("--text/--dataset choose the perplexity evaluation's text; not with --tasks")
+        tasks = [name.strip() for name in tasks.split(",") if name.strip()]
+        manager = lmeval.load_tasks(tasks, include_path)
+    elif include_path is not None or limit is not None or num_fewshot is not None:
+        raise NormswapError("--include-path, --limit and --num-fewshot apply to --tasks only")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     acc = make_accelerator()
@@ -278,6 +301,14 @@ def eval_command(
             model.to(acc.device)
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
             raise NormswapError(f"{name} is not a causal LM (no output embeddings to compute logits)")
+    if tasks is not None:
+        from normswap.lmeval import run_command
+
+        header = {"model": model_source, "converted": converted, "dtype": dtype}
+        options = {"limit": limit, "num_fewshot": num_fewshot, "batch_size": batch_size}
+        run_command(original, conv, tokenizer, tasks, acc, manager, report, header, **options)
+        acc.end_training()
+        return
     text, source = read_text(
         text_file,
         dataset,
