@@ -193,7 +193,8 @@ def pair_task(original: dict, converted: dict, name: str, output_type: str) -> d
         and ``paired_stderr`` (sample std of the per-item differences / sqrt(n), for metrics that are the
         mean of their per-item values; else ``None``); ``changed``: the items whose answer or per-item
         metric differs (``doc_id``, ``filter``, ``target``, both answers and metric values,
-        ``max_abs_delta_loglik``).
+        ``max_abs_delta_loglik``); ``per_item``: every item's ``doc_id``, ``filter``, ``answer`` (original,
+        converted) and, where the task scores log-likelihoods, ``loglik`` (both sides' lists, nats).
 
     Raises:
         RuntimeError: the two runs did not see the same items with the same prompts.
@@ -204,12 +205,15 @@ def pair_task(original: dict, converted: dict, name: str, output_type: str) -> d
     ):
         raise RuntimeError(f"{name}: the two lm-eval runs saw different items or prompts")
     keys = sorted(sides[0], key=lambda k: (str(k[1]), k[0]))
-    same, max_delta, max_item, changed = 0, None, None, []
+    same, max_delta, max_item, changed, items = 0, None, None, [], []
     per_item = {}  # (metric, filter) -> list of (original, converted)
     for key in keys:
         a, b = sides[0][key], sides[1][key]
         answer_a, ll_a, _ = _item_view(a, output_type)
         answer_b, ll_b, _ = _item_view(b, output_type)
+        items.append({"doc_id": key[0], "filter": key[1], "answer": [answer_a, answer_b]})
+        if ll_a:
+            items[-1]["loglik"] = [ll_a, ll_b]
         delta = max((abs(x - y) for x, y in zip(ll_a, ll_b, strict=True)), default=None)
         if delta is not None and (max_delta is None or delta > max_delta):
             max_delta, max_item = delta, key[0]
@@ -245,6 +249,7 @@ def pair_task(original: dict, converted: dict, name: str, output_type: str) -> d
         "max_delta_item": max_item,
         "metrics": metrics,
         "changed": changed,
+        "per_item": items,
     }
 
 
@@ -276,6 +281,8 @@ def paired_report(original: dict, converted: dict) -> dict:
                 output_type,
             ) | {"items": None}
         report[name]["num_fewshot"] = original.get("n-shot", {}).get(name)
+        fewshot_config = original.get("configs", {}).get(name, {}).get("fewshot_config") or {}
+        report[name]["fewshot_sampler"] = fewshot_config.get("sampler", "default")
     return report
 
 
@@ -368,3 +375,12 @@ def run_command(original, converted, tokenizer, tasks, accelerator, manager, rep
         _write_json(report, result)
     click.echo(f"lm-eval {result['lm_eval_version']}, {result['num_processes']} process(es)")
     click.echo(format_table(result["tasks"]))
+    sampled = [
+        name for name, r in result["tasks"].items() if r["num_fewshot"] and r["fewshot_sampler"] != "first_n"
+    ]
+    if result["num_processes"] > 1 and sampled:
+        click.echo(
+            f"normswap: warning: {', '.join(sampled)}: lm-eval draws few-shot examples from one random "
+            "stream per process, so K processes build other prompts than one (both models see the same ones)",
+            err=True,
+        )
