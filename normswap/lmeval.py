@@ -120,10 +120,23 @@ def wrap_model(model, tokenizer, accelerator=None, batch_size: int = 1):
 
 
 def run_tasks(lm, tasks, *, manager=None, limit=None, num_fewshot=None):
-    """``lm_eval.simple_evaluate`` with per-item samples -> its results dict (rank 0) or ``None``."""
+    """``lm_eval.simple_evaluate`` with per-item samples -> its results dict (rank 0) or ``None``.
+
+    lm-eval's environment probes are skipped (its results keep ``git_hash`` ``None`` and no
+    ``pretty_env_info``): they run ``git describe`` in the working directory, which prints a ``fatal:``
+    line outside a repository, and torch's ``collect_env`` (pip, nvidia-smi: 5.6 s on a 2-core machine),
+    twice per ``normswap eval``.
+    """
+    from unittest import mock
+
+    import lm_eval.evaluator
     from lm_eval import simple_evaluate
 
-    with quiet_lm_eval():
+    with (
+        quiet_lm_eval(),
+        mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None),
+        mock.patch.object(lm_eval.evaluator, "add_env_info", lambda results: None),
+    ):
         return simple_evaluate(
             model=lm,
             tasks=tasks,
@@ -134,8 +147,9 @@ def run_tasks(lm, tasks, *, manager=None, limit=None, num_fewshot=None):
         )
 
 
-def _number(value):
-    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+def _number(value) -> float | None:
+    """``value`` as a float if it is a number or a bool (per-item ``exact_match`` may be one), else None."""
+    return float(value) if isinstance(value, int | float) else None
 
 
 def _metrics(results: dict) -> dict:
@@ -150,7 +164,7 @@ def _metrics(results: dict) -> dict:
 
 
 def _item_view(sample: dict, output_type: str):
-    """One logged sample -> ``(answer, log-likelihoods, texts)``.
+    """One logged sample -> ``(answer, log-likelihoods)``.
 
     ``answer`` is what the item's score depends on: the index of the choice with the highest
     log-likelihood (multiple choice), the generated text(s), or the is-greedy flags of the continuations.
@@ -173,7 +187,7 @@ def _item_view(sample: dict, output_type: str):
         answer = texts[0] if len(texts) == 1 else texts
     else:
         answer = greedy or None
-    return answer, logliks, texts
+    return answer, logliks
 
 
 def pair_task(original: dict, converted: dict, name: str, output_type: str) -> dict:
@@ -209,8 +223,8 @@ def pair_task(original: dict, converted: dict, name: str, output_type: str) -> d
     per_item = {}  # (metric, filter) -> list of (original, converted)
     for key in keys:
         a, b = sides[0][key], sides[1][key]
-        answer_a, ll_a, _ = _item_view(a, output_type)
-        answer_b, ll_b, _ = _item_view(b, output_type)
+        answer_a, ll_a = _item_view(a, output_type)
+        answer_b, ll_b = _item_view(b, output_type)
         items.append({"doc_id": key[0], "filter": key[1], "answer": [answer_a, answer_b]})
         if ll_a:
             items[-1]["loglik"] = [ll_a, ll_b]

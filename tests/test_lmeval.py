@@ -210,9 +210,9 @@ def test_tasks_two_processes_match_one(pair, one_process, tmp_path):
     for a, b in zip(one["per_item"], two["per_item"], strict=True):
         assert a["answer"] == b["answer"]
         for side in (0, 1):
-            assert (
-                max(abs(x - y) for x, y in zip(a["loglik"][side], b["loglik"][side], strict=True)) <= 1e-6
-            )  # measured 0
+            # measured 0 here; a single process on more threads than torchrun's one per process sums in
+            # another order (SmolLM2-135M: up to 1.6e-5 nats on 2 threads vs 1)
+            assert max(abs(x - y) for x, y in zip(a["loglik"][side], b["loglik"][side], strict=True)) <= 1e-5
     for metric in ("acc", "acc_norm"):
         for key, value in one["metrics"][metric].items():
             assert two["metrics"][metric][key] == pytest.approx(value, rel=1e-12, abs=1e-15), (metric, key)
