@@ -122,6 +122,23 @@ def test_pair_task_finds_changed_items_and_paired_stderr():
         pair_task(a, b, "t", "multiple_choice")
 
 
+def test_fewshot_warning_with_several_processes(monkeypatch, capsys):
+    """lm-eval's few-shot prompts depend on the number of processes: a stderr warning says so."""
+    from normswap import lmeval
+
+    run = _run([[-1.0, -2.0]] * 2, [1, 1])
+    task = pair_task(run, run, "t", "multiple_choice")
+    cases = [(2, 5, "default", True), (1, 5, "default", False), (2, 0, "default", False)]
+    for processes, shots, sampler, warned in [*cases, (2, 5, "first_n", False)]:
+        result = {"lm_eval_version": "0", "num_processes": processes,
+                  "tasks": {"t": task | {"num_fewshot": shots, "fewshot_sampler": sampler}}}  # fmt: skip
+        monkeypatch.setattr(lmeval, "paired_eval", lambda *args, result=result, **kwargs: result)
+        lmeval.run_command(None, None, None, ["t"], None, None, None, {})
+        out, err = capsys.readouterr()
+        assert "t: 2/2 items same answer" in out
+        assert ("few-shot examples" in err) == warned, (processes, shots, sampler)
+
+
 def test_tasks_refusals(pair, tmp_path, monkeypatch):
     orig, conv = pair
     assert_bad_input(_eval("--model", orig, "--converted", conv, "--limit", "3"), "--tasks only")
