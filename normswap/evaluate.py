@@ -277,15 +277,23 @@ def _evaluate(original, converted, windows, accelerator, progress):
 @device_option
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the JSON report here (main process).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the models' own Python code to run.")
+@click.option("--tasks", help="Comma-separated lm-eval tasks (e.g. arc_easy,hellaswag): run them paired "
+              "instead of the perplexity evaluation (needs `pip install 'normswap[eval]'`).")  # fmt: skip
+@click.option("--include-path", type=click.Path(file_okay=False), help="Folder of extra lm-eval task YAMLs.")
+@click.option("--limit", type=click.IntRange(min=1), help="At most N documents per task (with --tasks).")
+@click.option("--num-fewshot", type=click.IntRange(min=0), help="Few-shot examples (with --tasks).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="lm-eval requests per forward pass (with --tasks).")  # fmt: skip
 def eval_command(
     model_source, converted, text_file, dataset, dataset_config, split, column, max_tokens, window, dtype,
-    device_map, device, report, trust_remote_code,
+    device_map, device, report, trust_remote_code, tasks, include_path, limit, num_fewshot, batch_size,
 ):  # fmt: skip
-    """Perplexity, KL and top-1 agreement of --converted vs --model on the same windows of real text.
+    """Perplexity, KL and top-1 agreement of --converted vs --model on the same windows of real text;
+    with --tasks, lm-evaluation-harness tasks on both models, compared item by item.
 
     Runs unchanged under `accelerate launch --multi_gpu --num_processes K -m normswap eval ...` (on a
-    CPU-only machine too: the K processes then form a CPU group): windows are sharded across processes
-    and the results gathered; only the main process prints and writes --report.
+    CPU-only machine too: the K processes then form a CPU group): windows (or lm-eval's documents) are
+    sharded across processes and the results gathered; only the main process prints and writes --report.
     """
     from normswap.check.inputs import check_positions, check_same_model, default_tokens
     from normswap.io import check_output_file, quiet_loading, write_json
@@ -293,6 +301,16 @@ def eval_command(
     quiet_loading()
     if report:
         check_output_file(report, [model_source, converted])
+    manager = None
+    if tasks is not None:
+        from normswap import lmeval
+
+        if text_file is not None or dataset is not None:
+            raise NormswapError("--text/--dataset choose the perplexity evaluation's text; not with --tasks")
+        tasks = [name.strip() for name in tasks.split(",") if name.strip()]
+        manager = lmeval.load_tasks(tasks, include_path)
+    elif include_path is not None or limit is not None or num_fewshot is not None:
+        raise NormswapError("--include-path, --limit and --num-fewshot apply to --tasks only")
     acc = make_accelerator()
     target = acc.device if device == "auto" else device  # auto: the device accelerate gave this process
     kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, device=target)
@@ -302,6 +320,14 @@ def eval_command(
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
             raise NormswapError(f"{name} is not a causal LM (no output embeddings to compute logits)")
     check_same_model(model_source, original.config, converted, conv.config)
+    if tasks is not None:
+        from normswap.lmeval import run_command
+
+        header = {"model": model_source, "converted": converted, "dtype": dtype}
+        options = {"limit": limit, "num_fewshot": num_fewshot, "batch_size": batch_size}
+        run_command(original, conv, tokenizer, tasks, acc, manager, report, header, **options)
+        acc.end_training()
+        return
     if window is None:
         window = min(default_tokens(original.config), default_tokens(conv.config))
     what = f"--window {window}" if window <= max_tokens else f"--max-tokens {max_tokens}"
