@@ -159,9 +159,8 @@ def _forward(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[str, torc
     """
     from normswap.walk import example_inputs
 
-    kwargs = example_inputs(model, input_ids)
-    kwargs["input_ids"] = input_ids.to(_device(model))
-    out = model(**kwargs)
+    example = example_inputs(model, input_ids)  # the ids on the model's input device
+    out = model(*example.args, **example.kwargs)
     logits = getattr(out, "logits", None)
     kind, value = ("logits", logits) if logits is not None else ("last_hidden_state", None)
     if value is None:
