@@ -106,7 +106,7 @@ def text_ids(tokenizer, text: str, tokens: int, *, source, what: str):
             f"{source} gives only {len(ids)} tokens, fewer than the {tokens} asked for "
             f"(pass a longer text or {what} {max(len(ids), 2)})"
         )
-    return torch.tensor([ids[:tokens]], dtype=torch.long)
+    return torch.tensor([ids[:tokens]], dtype=torch.long, device="cpu")
 
 
 def _kind(config) -> str:

@@ -87,5 +87,5 @@ def vocabulary_ids(vocab_size: int, num_tokens: int = 512, seed: int = VOCABULAR
     """
     if num_tokens < 2 or vocab_size < 2:
         raise ValueError(f"need num_tokens >= 2 and vocab_size >= 2, got {num_tokens} and {vocab_size}")
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (1, num_tokens), generator=generator, dtype=torch.long)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, vocab_size, (1, num_tokens), generator=generator, dtype=torch.long, device="cpu")
