@@ -126,7 +126,14 @@ def main() -> None:
     is_flag=True,
     help="Keep tied embeddings shared: do not fold the final norm into a tied lm_head.",
 )
-def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force, overwrite, no_untie):
+@click.option(
+    "--max-memory",
+    metavar="SIZE",
+    help="Hold at most about SIZE of weights (2GiB, 500MB, ...): a larger safetensors model directory is "
+    "streamed shard by shard (docs/STREAMING.md).",
+)
+def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force, overwrite, no_untie,
+            max_memory):  # fmt: skip
     """Fold and swap every norm of MODEL, check the logits, save to --output."""
     from normswap import io
     from normswap.check import compare, reference_outputs
@@ -137,11 +144,15 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
     io.check_output_dir(output, model, overwrite=overwrite)
     if report is not None:
         io.check_output_file(report, [model], output)
+    options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
+                   overwrite=overwrite, no_untie=no_untie)  # fmt: skip
+    if max_memory is not None and _convert_streamed(model, output, report, max_memory, **options):
+        return
     t0 = time.perf_counter()
     _step(f"loading {model} ({dtype}) ...")
     loaded = io.load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
-    input_ids = _check_ids(model, loaded, tokens)
+    input_ids = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens)
     _step("finding the norms and their consumers ...")
     traced = walk(loaded.model, input_ids)
     if not traced.sites:
@@ -175,11 +186,45 @@ def convert(model, output, report, norm, dtype, trust_remote_code, tokens, force
         raise SystemExit(1)
 
 
-def _check_ids(model: str, loaded, tokens: int | None):
-    """The check's token ids for ``loaded``; bad tokenizers and over-long requests are bad input (exit 2)."""
+def _convert_streamed(model, output, report, max_memory, *, norm, dtype, trust_remote_code, tokens, force,
+                      overwrite, no_untie) -> bool:  # fmt: skip
+    """``convert --max-memory``: False when the model fits in the budget (the in-memory path then runs),
+    else the streamed conversion (``normswap.stream``), with the same outputs, messages and exit codes."""
+    from normswap.stream import convert as stream
+
+    budget = stream.parse_size(max_memory)
+    source = stream.open_source(model, dtype, trust_remote_code)
+    if source.nbytes <= budget:
+        return False
+    if norm != "keep":
+        raise NormswapError(f"--norm {norm} is not available when streaming (the model exceeds --max-memory)")
+    _step(f"{model}: {source.nbytes / 2**30:.2f} GiB of weights > --max-memory {max_memory}: streaming")
+    input_ids = _check_ids(model, source.config, source.tokenizer, tokens)
+    report_dict, passed = stream.convert_streamed(
+        source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, step=_step
+    )
+    from normswap.stream import dist
+
+    if not dist.is_main():
+        if not passed:
+            raise SystemExit(1)
+        return True
+    if report is not None:
+        _write_json(report, report_dict)
+    click.echo(_summary(report_dict, output if (passed or force) else None, report))
+    if not passed:
+        click.echo(
+            "normswap: check FAILED" + ("; saved anyway (--force)" if force else "; nothing saved"), err=True
+        )
+        raise SystemExit(1)
+    return True
+
+
+def _check_ids(model: str, config, tokenizer, tokens: int | None):
+    """The check's token ids for a model of ``config``; bad tokenizers and over-long requests are bad input
+    (exit 2)."""
     from normswap.check import default_input_ids
 
-    config = loaded.model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text, "max_position_embeddings", None)
     if tokens is None:
@@ -187,7 +232,7 @@ def _check_ids(model: str, loaded, tokens: int | None):
     elif isinstance(limit, int) and tokens > limit:
         raise NormswapError(f"--tokens {tokens} exceeds {model}'s max_position_embeddings ({limit})")
     try:
-        return default_input_ids(loaded.tokenizer, tokens)
+        return default_input_ids(tokenizer, tokens)
     except ValueError as error:
         raise NormswapError(f"{model}: {error}") from error
 

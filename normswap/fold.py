@@ -209,6 +209,29 @@ def _blocks(weight: torch.Tensor, axis: int):
 
 
 @torch.no_grad()
+def bias_delta(weight: torch.Tensor, shift: torch.Tensor, axis: int) -> torch.Tensor:
+    """``W b``: the float64 vector a consumer's bias absorbs when the norm's bias ``shift`` folds into
+    ``weight`` along its input axis ``axis`` (shape: ``weight``'s shape without ``axis``)."""
+    return torch.tensordot(weight.detach().double(), shift, dims=([axis], [0]))
+
+
+@torch.no_grad()
+def scale_axis_(weight: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.Tensor:
+    """Multiply ``weight`` along ``axis`` by the float64 vector ``scale``, in place, in float64 blocks.
+
+    Each block is computed as ``(block.double() * scale).to(weight.dtype)``, so the result is the rounded
+    float64 product whatever the block size; the temporary memory is at most ``_CHUNK`` float64 elements.
+    Returns ``weight``.
+    """
+    shape = [1] * weight.ndim
+    shape[axis] = -1
+    for dim, start, length in _blocks(weight, axis):
+        block = weight.narrow(dim, start, length)
+        block.copy_((block.double() * scale.reshape(shape)).to(weight.dtype))
+    return weight
+
+
+@torch.no_grad()
 def fold_site(model: nn.Module, site: NormSite) -> None:
     """Fold one foldable site into its consumers and reset the norm to its identity parameters, in place.
 
@@ -228,17 +251,13 @@ def fold_site(model: nn.Module, site: NormSite) -> None:
         weight = model.get_parameter(c.param)
         if shift is not None and c.bias is not None:
             bias = model.get_parameter(c.bias)
-            delta = torch.tensordot(weight.detach().double(), shift, dims=([c.axis], [0]))
+            delta = bias_delta(weight, shift, c.axis)
             if delta.shape != bias.shape:
                 raise ValueError(
                     f"{site.name}: bias {c.bias} has shape {tuple(bias.shape)}, W b has {tuple(delta.shape)}"
                 )
             bias.copy_((bias.detach().double() + delta).to(bias.dtype))
-        shape = [1] * weight.ndim
-        shape[c.axis] = -1
-        for dim, start, length in _blocks(weight, c.axis):
-            block = weight.narrow(dim, start, length)
-            block.copy_((block.double() * scale.reshape(shape)).to(weight.dtype))
+        scale_axis_(weight, scale, c.axis)
     if site.weight:
         getattr(norm, site.weight).fill_(1.0 - site.offset)
     if site.bias:
