@@ -152,7 +152,10 @@ def build(
     for name, p in model.named_parameters(remove_duplicate=False):
         key = by_object.get(id(p))
         if key is None:
-            raise NormswapError(f"{source}: the checkpoint has no tensor {name}")
+            raise NormswapError(
+                f"{source}: the checkpoint has no tensor {name} (streaming needs the checkpoint's tensor "
+                "names to be the model's; transformers renames or stacks some models' tensors on loading)"
+            )
         if tuple(reader.tensors[key].shape) != tuple(p.shape):
             raise NormswapError(f"{source}: tensor {key} has shape {reader.tensors[key].shape}, the model "
                                 f"expects {tuple(p.shape)}")  # fmt: skip
