@@ -207,8 +207,10 @@ def convert_streamed(
     traced = _guarded(lambda: walk(streamed.model, input_ids), source)
     if not traced.sites:
         raise NormswapError(f"{source.info.source}: no normalization modules found; nothing to convert")
-    step(f"running the original on {input_ids.shape[-1]} tokens (streamed) ...")
-    reference = _guarded(lambda: reference_outputs(streamed.model, input_ids, sites=traced.sites), source)
+    reference = None
+    if dist.is_main():  # only the main process checks
+        step(f"running the original on {input_ids.shape[-1]} tokens (streamed) ...")
+        reference = _guarded(lambda: reference_outputs(streamed.model, input_ids, sites=traced.sites), source)
     folding = plan(streamed.model, traced, untie=untie)
     untied = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else []
     plans = tensor_plans(streamed, folding, untied)
