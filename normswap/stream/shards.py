@@ -3,8 +3,9 @@
 A checkpoint directory holds ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
 (transformers' sharded format: ``{"metadata": {"total_size": N}, "weight_map": {name: file}}``).
 
-The reader opens a shard for each tensor it reads and returns an owned copy, so no file stays mapped and
-the resident memory is the tensors the caller holds. The writer follows the safetensors format
+The reader checks every shard's header against its file size up front, then reads each tensor with plain
+file reads into a tensor it returns (no memory map: mapped pages count as resident until unmapped), so the
+resident memory is the tensors the caller holds. The writer follows the safetensors format
 (https://huggingface.co/docs/safetensors, "Format"): an 8-byte little-endian header length, a JSON header
 naming each tensor's dtype, shape and byte range, padded with spaces to a multiple of 8, then the raw
 little-endian bytes. The header is known before any data (folding changes no shape or dtype), so a shard is
@@ -13,6 +14,7 @@ written tensor by tensor; the library itself only writes whole dicts held in mem
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -38,7 +40,7 @@ CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor lives: ``file`` (name inside the checkpoint directory), ``dtype``, ``shape``,
-    and ``start`` (byte offset of its data within the file's data section, used to keep file order)."""
+    and ``start`` (byte offset of its data from the start of the file)."""
 
     file: str
     dtype: torch.dtype
@@ -83,6 +85,7 @@ def _header(path: Path) -> dict:
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end != size:
         raise NormswapError(f"{path}: truncated ({size} bytes, its header needs {8 + n + end})")
+    header["__data_start__"] = 8 + n
     return header
 
 
@@ -119,6 +122,7 @@ class CheckpointReader:
         self.tensors: dict[str, TensorInfo] = {}
         for file in self.files:
             header = _header(self.folder / file)
+            data_start = header.pop("__data_start__")
             for name, entry in header.items():
                 if name == "__metadata__":
                     continue
@@ -127,7 +131,10 @@ class CheckpointReader:
                         f"{self.folder / file}: tensor {name} has unsupported dtype {entry.get('dtype')}"
                     )
                 self.tensors[name] = TensorInfo(
-                    file, CODE_DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"][0]
+                    file,
+                    CODE_DTYPES[entry["dtype"]],
+                    tuple(entry["shape"]),
+                    data_start + entry["data_offsets"][0],
                 )
         if weight_map is not None:
             for name, file in weight_map.items():
@@ -148,19 +155,25 @@ class CheckpointReader:
         Raises:
             NormswapError: the shard cannot be read.
         """
-        from safetensors import safe_open
-
-        path = self.folder / self.tensors[name].file
-        try:
-            with safe_open(path, framework="pt") as f:
-                mapped = f.get_tensor(name)
-        except Exception as error:  # safetensors raises its own error types
-            raise NormswapError(f"{path}: cannot read tensor {name} ({error})") from error
-        if dtype is None or not mapped.is_floating_point():
-            dtype = mapped.dtype
-        out = torch.empty(mapped.shape, dtype=dtype, device=device)
-        out.copy_(mapped)
-        return out
+        info = self.tensors[name]
+        path = self.folder / info.file
+        raw = torch.empty(info.shape, dtype=info.dtype)
+        try:  # plain reads, not a memory map: mapped pages would count as resident until unmapped
+            with open(path, "rb") as f:
+                f.seek(info.start)
+                # a ctypes view of the tensor's bytes (a numpy view would pin the storage's size)
+                got = (
+                    f.readinto((ctypes.c_char * info.nbytes).from_address(raw.data_ptr()))
+                    if raw.numel()
+                    else 0
+                )
+        except OSError as error:
+            raise NormswapError(f"cannot read {path}: {error.strerror or error}") from error
+        if got != info.nbytes:
+            raise NormswapError(f"{path}: truncated (tensor {name} ends past the end of the file)")
+        if dtype is not None and raw.is_floating_point() and dtype != raw.dtype:
+            raw = raw.to(dtype)
+        return raw.to(device)
 
     @property
     def total_bytes(self) -> int:
