@@ -144,6 +144,7 @@ def write_checkpoint(
     gemma: bool = False,
 ) -> Path:
     """Write the checkpoint of ``config`` into ``out`` (which must not exist); returns ``out``."""
+    from normswap.io.save import apply_umask
     from normswap.stream.shards import ShardWriter, nbytes, write_index
 
     params = _params(config, dtype)
@@ -179,6 +180,7 @@ def write_checkpoint(
         config.save_pretrained(built)
         if tokenizer is not None:
             tokenizer.save_pretrained(built)
+        apply_umask(built)  # mkdtemp makes a private folder
         os.rename(built, out)
     finally:
         shutil.rmtree(built, ignore_errors=True)

@@ -115,6 +115,20 @@ def open_source(model: str, dtype: str, trust_remote_code: bool = False) -> Sour
     return Source(reader, config, tokenizer, info, torch_type)
 
 
+def release_memory() -> None:
+    """Return freed memory to the OS now: collect reference cycles (a forward's outputs, hooks) and, on
+    glibc, trim the heap. Called between the stages, so one stage's tensors never add to the next one's."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the allocator keeps its own policy
+        pass
+
+
 def _untie_checked(streamed: Streamed, folding, input_ids: torch.Tensor) -> list[str]:
     """``normswap.fold.untie_checked`` for a streamed model: untie what ``folding`` needs when two forwards
     prove that untying (and clearing ``tie_word_embeddings``) alone changes nothing; returns the names."""
@@ -150,7 +164,10 @@ def write_shards(reader: CheckpointReader, plans, dtype: torch.dtype, folder: Pa
         writer = ShardWriter(folder / file, shards[file])
         try:
             for name, _, _ in shards[file]:
-                writer.write(name, make_tensor(reader, plans, name, dtype))
+                tensor = make_tensor(reader, plans, name, dtype)
+                writer.write(name, tensor)
+                del tensor
+                release_memory()
             writer.close()
         except BaseException:
             writer.abort()
@@ -214,15 +231,18 @@ def convert_streamed(
     traced = _guarded(lambda: walk(streamed.model, walk_ids), source)
     if not traced.sites:
         raise NormswapError(f"{source.info.source}: no normalization modules found; nothing to convert")
+    release_memory()
     reference = None
     if dist.is_main():  # only the main process checks
         step(f"running the original on {input_ids.shape[-1]} tokens (streamed) ...")
         reference = _guarded(lambda: reference_outputs(streamed.model, input_ids, sites=traced.sites), source)
+    release_memory()
     folding = plan(streamed.model, traced, untie=untie)
     untied = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else []
     plans = tensor_plans(streamed, folding, untied)
     config = streamed.model.config
-    streamed.close()
+    streamed.close()  # holds only the 1-D parameters from here on
+    release_memory()
     built = dist.shared_tempdir(out)
     try:
         step(f"writing {len(source.reader.files)} shard(s) ...")
@@ -241,6 +261,7 @@ def convert_streamed(
         passed = True
         if dist.is_main():
             _write_metadata(source, plans, built, config)
+            release_memory()
             step("checking the converted logits (streamed) ...")
             converted = build(config, CheckpointReader(built), source.dtype)
             report.norms_swapped = swap_norms(converted.model, traced.sites)
