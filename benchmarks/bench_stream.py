@@ -127,7 +127,10 @@ def _plot(rows: list[dict], path: Path) -> bool:
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results")
 @click.option("--budget", default="256MiB", show_default=True, help="--max-memory of the streamed runs.")
 @click.option("--acceptance", is_flag=True, help="Also the TinyLlama-shaped 4.36 GiB run with 1GiB.")
-def main(sizes, work, out, budget, acceptance):
+@click.option("--modes", default="in memory,streamed", show_default=True, help="Which conversions to time.")
+@click.option("--merge", type=click.Path(exists=True, path_type=Path), default=None,
+              help="A previous stream.json whose rows this run did not measure are kept.")  # fmt: skip
+def main(sizes, work, out, budget, acceptance, modes, merge):
     """Measure peak RSS and time, in memory vs streamed, and write the table (and plot)."""
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -140,12 +143,8 @@ def main(sizes, work, out, budget, acceptance):
         shutil.rmtree(ckpt, ignore_errors=True)
         extra = ["--preset", preset] + (["--size", f"{size}GiB"] if size else [])
         real_size = _make(ckpt, *extra, log=click.echo)
-        modes = (
-            [("streamed", acceptance_budget)]
-            if acceptance_budget
-            else [("in memory", None), ("streamed", budget)]
-        )
-        for mode, max_memory in modes:
+        wanted = [m for m in (("in memory", None), ("streamed", budget)) if m[0] in modes.split(",")]
+        for mode, max_memory in [("streamed", acceptance_budget)] if acceptance_budget else wanted:
             target = work / "out"
             shutil.rmtree(target, ignore_errors=True)
             args = ["convert", str(ckpt), "--output", str(target)] + (
@@ -159,6 +158,15 @@ def main(sizes, work, out, budget, acceptance):
             click.echo(json.dumps({k: v for k, v in row.items() if k != "summary"}))
             shutil.rmtree(target, ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
+        (out / "stream.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if merge is not None:
+
+        def key(r):
+            return r["model"], round(r["size_gib"], 1), r["mode"]
+
+        measured = {key(r) for r in rows}
+        old = [r for r in json.loads(merge.read_text()) if key(r) not in measured]
+        rows = sorted(old + rows, key=lambda r: (r["model"] != "small", r["size_gib"], r["mode"]))
         (out / "stream.json").write_text(json.dumps(rows, indent=2) + "\n")
     table = _table(rows)
     (out / "stream.md").write_text(table)
