@@ -145,8 +145,14 @@ def main() -> None:
     help="Tokenizer for the check's text (hub id or directory) [default: MODEL's own; without one, the "
     "check runs on ids drawn from the vocabulary with a fixed seed].",
 )
+@click.option(
+    "--max-memory",
+    metavar="SIZE",
+    help="Hold at most about SIZE of weights (2GiB, 500MB, ...): a larger safetensors model directory is "
+    "streamed shard by shard (docs/STREAMING.md).",
+)
 def convert(model, output, report, norm, dtype, trust_remote_code, device, device_map, tokens, force,
-            overwrite, no_untie, tokenizer_name):  # fmt: skip
+            overwrite, no_untie, tokenizer_name, max_memory):  # fmt: skip
     """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
     from normswap import io
     from normswap.check import compare, reference_outputs
@@ -158,6 +164,10 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     io.check_output_dir(output, model, overwrite=overwrite)
     if report is not None:
         io.check_output_file(report, [model], output)
+    options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
+                   overwrite=overwrite, no_untie=no_untie)  # fmt: skip
+    if max_memory is not None and _convert_streamed(model, output, report, max_memory, **options):
+        return
     t0 = time.perf_counter()
     _step(f"loading {model} ({dtype}) ...")
     loaded = io.load_model(
@@ -169,7 +179,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         device_map=device_map,
     )
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
-    input_ids, check_input = _check_ids(model, loaded, tokens)
+    input_ids, check_input = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens)
     _step("finding the norms and their consumers ...")
     traced = walk(loaded.model, input_ids)
     if not traced.sites:
@@ -220,19 +230,54 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         raise SystemExit(1)
 
 
-def _check_ids(model: str, loaded, tokens: int | None):
-    """The check's token ids for ``loaded`` and how they were made (for the report); bad tokenizers and
-    over-long requests are bad input (exit 2). Without a tokenizer: ids drawn from the vocabulary."""
+def _convert_streamed(model, output, report, max_memory, *, norm, dtype, trust_remote_code, tokens, force,
+                      overwrite, no_untie) -> bool:  # fmt: skip
+    """``convert --max-memory``: False when the model fits in the budget (the in-memory path then runs),
+    else the streamed conversion (``normswap.stream``), with the same outputs, messages and exit codes."""
+    from normswap import io
+    from normswap.stream import convert as stream
+
+    budget = stream.parse_size(max_memory)
+    source = stream.open_source(model, dtype, trust_remote_code)
+    if source.nbytes <= budget:
+        return False
+    if norm != "keep":
+        raise NormswapError(f"--norm {norm} is not available when streaming (the model exceeds --max-memory)")
+    _step(f"{model}: {source.nbytes / 2**30:.2f} GiB of weights > --max-memory {max_memory}: streaming")
+    input_ids, check_input = _check_ids(model, source.config, source.tokenizer, tokens)
+    report_dict, passed = stream.convert_streamed(
+        source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, step=_step
+    )
+    report_dict["check_input"] = check_input
+    from normswap.stream import dist
+
+    if not dist.is_main():
+        if not passed:
+            raise SystemExit(1)
+        return True
+    if report is not None:
+        io.write_json(report, report_dict)
+    click.echo(_summary(report_dict, output if (passed or force) else None, report))
+    if not passed:
+        click.echo(
+            "normswap: check FAILED" + ("; saved anyway (--force)" if force else "; nothing saved"), err=True
+        )
+        raise SystemExit(1)
+    return True
+
+
+def _check_ids(model: str, config, tokenizer, tokens: int | None):
+    """The check's token ids for a model of ``config`` and how they were made (for the report); bad
+    tokenizers and over-long requests are bad input (exit 2). Without a tokenizer: ids drawn from the
+    vocabulary."""
     from normswap.check import VOCABULARY_SEED
     from normswap.check.inputs import command_input_ids, vocabulary_size
 
-    ids = command_input_ids(model, loaded.model.config, loaded.tokenizer, tokens)
-    if loaded.tokenizer is None:
-        vocab = vocabulary_size(loaded.model.config)
-        return ids, {"source": "vocabulary", "vocab_size": vocab, "seed": VOCABULARY_SEED,
+    ids = command_input_ids(model, config, tokenizer, tokens)
+    if tokenizer is None:
+        return ids, {"source": "vocabulary", "vocab_size": vocabulary_size(config), "seed": VOCABULARY_SEED,
                      "reason": "no tokenizer files"}  # fmt: skip
-    tokenizer = getattr(loaded.tokenizer, "name_or_path", None) or loaded.info.path
-    return ids, {"source": "text", "tokenizer": str(tokenizer)}
+    return ids, {"source": "text", "tokenizer": str(getattr(tokenizer, "name_or_path", None) or model)}
 
 
 @main.command()

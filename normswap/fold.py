@@ -241,12 +241,12 @@ def unrepresentable(model: nn.Module, site: NormSite) -> str | None:
         shape = [1] * weight.ndim
         shape[c.axis] = -1
         parts = [
-            (c.param, weight.narrow(dim, start, length), scale.reshape(shape), None)
+            (c.param, weight.narrow(dim, start, length), scale.to(weight.device).reshape(shape), None)
             for dim, start, length in _blocks(weight, c.axis)
         ]
         if shift is not None and c.bias is not None:
             bias = model.get_parameter(c.bias)
-            delta = torch.tensordot(weight.detach().double(), shift, dims=([c.axis], [0]))
+            delta = bias_delta(weight, shift, c.axis)
             if delta.shape == bias.shape:
                 parts.append((c.bias, bias, None, delta))
         for name, before, factor, add in parts:
@@ -259,6 +259,30 @@ def unrepresentable(model: nn.Module, site: NormSite) -> str | None:
                     f"fold overflows {_dtype_name(before.dtype)} ({name} would need {peak:.3g} > {limit:.6g})"
                 )
     return None
+
+
+@torch.no_grad()
+def bias_delta(weight: torch.Tensor, shift: torch.Tensor, axis: int) -> torch.Tensor:
+    """``W b``: the float64 vector a consumer's bias absorbs when the norm's bias ``shift`` folds into
+    ``weight`` along its input axis ``axis`` (shape: ``weight``'s shape without ``axis``)."""
+    return torch.tensordot(weight.detach().double(), shift.to(weight.device), dims=([axis], [0]))
+
+
+@torch.no_grad()
+def scale_axis_(weight: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.Tensor:
+    """Multiply ``weight`` along ``axis`` by the float64 vector ``scale``, in place, in float64 blocks.
+
+    Each block is computed as ``(block.double() * scale).to(weight.dtype)``, so the result is the rounded
+    float64 product whatever the block size; the temporary memory is at most ``_CHUNK`` float64 elements.
+    Returns ``weight``.
+    """
+    shape = [1] * weight.ndim
+    shape[axis] = -1
+    scale = scale.to(weight.device).reshape(shape)
+    for dim, start, length in _blocks(weight, axis):
+        block = weight.narrow(dim, start, length)
+        block.copy_((block.double() * scale).to(weight.dtype))
+    return weight
 
 
 @torch.no_grad()
@@ -281,17 +305,13 @@ def fold_site(model: nn.Module, site: NormSite) -> None:
         weight = model.get_parameter(c.param)
         if shift is not None and c.bias is not None:
             bias = model.get_parameter(c.bias)
-            delta = torch.tensordot(weight.detach().double(), shift.to(weight.device), dims=([c.axis], [0]))
+            delta = bias_delta(weight, shift, c.axis)
             if delta.shape != bias.shape:
                 raise ValueError(
                     f"{site.name}: bias {c.bias} has shape {tuple(bias.shape)}, W b has {tuple(delta.shape)}"
                 )
             bias.copy_((bias.detach().double() + delta).to(bias.dtype))
-        shape = [1] * weight.ndim
-        shape[c.axis] = -1
-        for dim, start, length in _blocks(weight, c.axis):
-            block = weight.narrow(dim, start, length)
-            block.copy_((block.double() * scale.to(weight.device).reshape(shape)).to(weight.dtype))
+        scale_axis_(weight, scale, c.axis)
     if site.weight:
         getattr(norm, site.weight).fill_(1.0 - site.offset)
     if site.bias:

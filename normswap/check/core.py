@@ -181,7 +181,12 @@ def upcast(model: torch.nn.Module):
     for t in list(model.parameters()) + list(model.buffers()):
         if t.is_floating_point() and t.dtype != torch.float32:
             saved.append((t, t.data))
-            t.data = t.data.float()
+            if t.numel() and t.untyped_storage().nbytes() == 0:  # bytes on disk (normswap.stream): stay there
+                empty = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+                empty.untyped_storage().resize_(0)
+                t.data = empty
+            else:
+                t.data = t.data.float()
     try:
         yield model
     finally:

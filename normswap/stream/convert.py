@@ -1,0 +1,321 @@
+"""``normswap convert --max-memory SIZE`` for a model larger than SIZE: the pipeline, streamed.
+
+1. walk: ``normswap.walk.walk`` on a streamed model (``stream.model``: norm parameters resident, every
+   larger weight read from its shard as its module runs), on the first ``WALK_TOKENS`` of the check's ids;
+2. reference logits of the original, streamed the same way;
+3. ``normswap.fold.plan``; untying proved on two streamed forwards as ``normswap.fold.untie_checked`` does;
+4. every output shard written tensor by tensor with the plan applied (``stream.plan``), into a temporary
+   directory beside the output, in the input's shard layout, with its index;
+5. the check: the written checkpoint, streamed, with the fused norms swapped in, against the reference
+   (``normswap.check.compare``: same text, tolerance policy and localization);
+6. the temporary directory becomes the output with one rename (``normswap.io.save``), or is removed.
+
+Under ``accelerate launch`` (``torch.distributed`` initialized, ``stream.dist``) every process walks and
+plans, process r writes the shards r, r+K, ...; process 0 writes the index, config, tokenizer and report,
+runs the check and moves the directory into place.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normswap.errors import NormswapError
+from normswap.stream import dist
+from normswap.stream.model import Streamed, build
+from normswap.stream.plan import layout, make_tensor, tensor_plans
+from normswap.stream.shards import CheckpointReader, ShardWriter, nbytes, write_index
+
+# The walk keeps every activation it follows until it ends (about 0.9 GB on 512 tokens of a 1.1B Llama), so
+# the streamed walk traces the first WALK_TOKENS tokens of the check's text. The dataflow it records does
+# not depend on the length; tests/test_stream.py compares the outputs with the in-memory path, which walks
+# all the check's tokens.
+WALK_TOKENS = 32
+
+
+@dataclass
+class Source:
+    """A safetensors model directory opened for streaming: ``reader``, ``config``, ``tokenizer``, ``info``
+    (``normswap.io.ModelInfo``) and ``dtype``."""
+
+    reader: CheckpointReader
+    config: Any
+    tokenizer: Any
+    info: Any
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights in ``dtype`` (floating tensors converted, others as stored)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return sum(
+            (t.nbytes // torch.empty((), dtype=t.dtype).element_size()) * size if t.dtype.is_floating_point
+            else t.nbytes
+            for t in self.reader.tensors.values()
+        )  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """``"2GiB"``, ``"1.5GB"``, ``"512MiB"`` -> bytes (accelerate's ``convert_file_size_to_int``).
+
+    Raises:
+        NormswapError: not a size accelerate understands, or not positive.
+    """
+    from accelerate.utils import convert_file_size_to_int
+
+    try:
+        size = int(convert_file_size_to_int(text))
+    except (ValueError, TypeError) as error:
+        raise NormswapError(f"--max-memory {text!r} is not a size (examples: 2GiB, 1.5GB, 512MiB)") from error
+    if size <= 0:
+        raise NormswapError(f"--max-memory {text!r} must be positive")
+    return size
+
+
+def open_source(model: str, dtype: str, trust_remote_code: bool = False) -> Source:
+    """Open MODEL for streaming: a local directory with ``config.json`` and safetensors weights.
+
+    Every shard's header is checked here, before anything runs or is written.
+
+    Raises:
+        NormswapError: MODEL is not such a directory (a .gguf file, a hub id), not a causal LM, has a
+            missing/truncated/corrupt shard, or its tokenizer cannot be loaded.
+    """
+    from transformers import AutoTokenizer
+
+    from normswap.io.load import ModelInfo, _load_failure, is_causal_lm, load_config, resolve, torch_dtype
+
+    resolved = resolve(model)
+    if resolved.kind != "dir":
+        what = "a GGUF file" if resolved.gguf_file else "a hub id"
+        raise NormswapError(
+            f"{model}: --max-memory streams a local model directory with safetensors weights, not {what}"
+        )
+    config = load_config(resolved, trust_remote_code=trust_remote_code)
+    if not is_causal_lm(config):
+        raise NormswapError(f"{model}: --max-memory streams causal LMs only")
+    reader = CheckpointReader(resolved.path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    except Exception as error:
+        raise _load_failure(resolved, "tokenizer", error) from error
+    torch_type = torch_dtype(dtype)
+    from transformers import AutoModelForCausalLM
+
+    architecture = AutoModelForCausalLM._model_mapping[type(config)].__name__
+    info = ModelInfo(
+        source=resolved.source, kind=resolved.kind, path=resolved.path, gguf_file=None, short_name=None,
+        architecture=architecture, causal_lm=True, dtype=str(torch_type).removeprefix("torch."),
+    )  # fmt: skip
+    return Source(reader, config, tokenizer, info, torch_type)
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def unmap_freed_weights() -> None:
+    """On glibc, serve every block of 1 MiB or more with its own memory map, returned to the OS when freed.
+
+    By default glibc raises that threshold to the size of the last large block freed (up to 32 MiB), so the
+    weights of a streamed forward come from the heap, where the small tensors allocated in between pin
+    them: measured, the peak then grew by about 20 MB per Llama layer (hidden 1024); with a fixed threshold
+    it stays flat. Process-wide (``mallopt(M_MMAP_THRESHOLD)``); other allocators are left alone.
+    """
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (also turns off the dynamic threshold)
+
+
+def release_memory() -> None:
+    """Return freed memory to the OS now: collect reference cycles (a forward's outputs, hooks) and, on
+    glibc, trim the heap. Called between the stages, so one stage's tensors never add to the next one's."""
+    import gc
+
+    gc.collect()
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc; other allocators keep their own policy
+        libc.malloc_trim(0)
+
+
+def _untie_checked(streamed: Streamed, folding, input_ids: torch.Tensor) -> list[str]:
+    """``normswap.fold.untie_checked`` for a streamed model: untie what ``folding`` needs when two forwards
+    prove that untying (and clearing ``tie_word_embeddings``) alone changes nothing; returns the names."""
+    from normswap.fold import _same, untie_config
+    from normswap.walk import run_example
+
+    if not folding.untie:
+        return []
+    model = streamed.model
+    before = run_example(model, input_ids)
+    old = [(model.get_submodule(m), a, model.get_submodule(m)._parameters[a]) for m, a in folding.untie]
+    names = streamed.untie(folding.untie)
+    embedding = model.get_input_embeddings()
+    configs = untie_config(model) if any(p is embedding.weight for _, _, p in old) else []
+    if not configs or _same(before, run_example(model, input_ids)):
+        return names
+    for module, attr, p in old:
+        setattr(module, attr, p)
+    for config in configs:
+        config.tie_word_embeddings = True
+    reason = "the model reads tie_word_embeddings while running; untying its lm_head would change its outputs"
+    for site in [s for s in folding.sites if s.name in folding.needs_untie]:
+        folding.sites.remove(site)
+        site.foldable, site.reason = False, reason
+    folding.untie, folding.untie_bytes = [], 0
+    return []
+
+
+def write_shards(reader: CheckpointReader, plans, dtype: torch.dtype, folder: Path, files: list[str]) -> None:
+    """Write the output shards ``files`` (the input's shard names) into ``folder``, tensor by tensor."""
+    shards = layout(reader, plans, dtype)
+    for file in files:
+        writer = ShardWriter(folder / file, shards[file])
+        try:
+            for name, _, _ in shards[file]:
+                tensor = make_tensor(reader, plans, name, dtype)
+                writer.write(name, tensor)
+                del tensor
+                release_memory()
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+
+
+def _write_metadata(source: Source, plans, folder: Path, config) -> None:
+    """Index (sharded inputs), config, generation config and tokenizer files of the output."""
+    if source.reader.sharded:
+        shards = layout(source.reader, plans, source.dtype)
+        weight_map = {name: file for file, entries in shards.items() for name, _, _ in entries}
+        total = sum(nbytes(d, s) for entries in shards.values() for _, d, s in entries)
+        write_index(folder, weight_map, total)
+    config.save_pretrained(folder)
+    generation = Path(source.reader.folder) / "generation_config.json"
+    if generation.is_file():
+        shutil.copyfile(generation, folder / "generation_config.json")
+    if source.tokenizer is not None:
+        source.tokenizer.save_pretrained(folder)
+
+
+def convert_streamed(
+    source: Source,
+    output: Path,
+    input_ids: torch.Tensor,
+    *,
+    untie: bool = True,
+    force: bool = False,
+    overwrite: bool = False,
+    step=lambda message: None,
+) -> tuple[dict[str, Any], bool]:
+    """Convert ``source`` into ``output`` with bounded memory (see the module docstring).
+
+    Args:
+        source: from ``open_source``.
+        output: the output directory (checked by ``normswap.io.check_output_dir`` by the caller).
+        input_ids: ``(1, T)`` ids of the check (and of the walk, as in memory).
+        untie: allow untying a tied ``lm_head`` to fold the final norm into it.
+        force: move the output into place even when the check fails.
+        overwrite: replace an existing output directory.
+        step: called with a progress message before each stage.
+
+    Returns:
+        ``(report dict as normswap.json holds it, whether the check passed)``.
+
+    Raises:
+        NormswapError: bad input, a model that cannot be streamed, or a write the disk refuses; the
+            output directory is then untouched.
+    """
+    from normswap.check import compare, reference_outputs
+    from normswap.convert import ConvertReport
+    from normswap.fold import plan
+    from normswap.io.save import MANIFEST, _replace_dir, apply_umask, report_dict
+    from normswap.swap import swap_norms
+    from normswap.walk import walk
+
+    out = Path(output).expanduser().resolve()
+    unmap_freed_weights()
+    streamed = build(source.config, source.reader, source.dtype)
+    step("finding the norms and their consumers (streamed) ...")
+    walk_ids = input_ids[:, :WALK_TOKENS]
+    traced = _guarded(lambda: walk(streamed.model, walk_ids), source)
+    if not traced.sites:
+        raise NormswapError(f"{source.info.source}: no normalization modules found; nothing to convert")
+    release_memory()
+    reference = None
+    if dist.is_main():  # only the main process checks
+        step(f"running the original on {input_ids.shape[-1]} tokens (streamed) ...")
+        reference = _guarded(lambda: reference_outputs(streamed.model, input_ids, sites=traced.sites), source)
+    release_memory()
+    folding = plan(streamed.model, traced, untie=untie)
+    untied = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else []
+    plans = tensor_plans(streamed, folding, untied)
+    config = streamed.model.config
+    streamed.close()  # holds only the 1-D parameters from here on
+    release_memory()
+    built = dist.shared_tempdir(out)
+    try:
+        step(f"writing {len(source.reader.files)} shard(s) ...")
+        mine = dist.my_share(source.reader.files)
+        dist.all_ok(lambda: write_shards(source.reader, plans, source.dtype, built, mine))
+        for site in folding.sites:
+            site.folded = True
+        report = ConvertReport(
+            model=source.info.source, norm="keep", norms_found=len(traced.sites),
+            norms_folded=len(folding.sites), norms_swapped=0, sites=traced.sites, untied=untied,
+            untie_bytes=folding.untie_bytes, untouched=traced.untouched,
+        )  # fmt: skip
+        for site in traced.sites:
+            if site.foldable and not site.folded:
+                site.reason = site.reason or "not folded"
+        passed = True
+        if dist.is_main():
+            _write_metadata(source, plans, built, config)
+            release_memory()
+            step("checking the converted logits (streamed) ...")
+            converted = build(config, CheckpointReader(built), source.dtype)
+            report.norms_swapped = swap_norms(converted.model, traced.sites)
+            checked = _guarded(lambda: compare(reference, converted.model, input_ids), source)
+            converted.close()
+            report.check = checked.to_dict()
+            passed = bool(checked.passed)
+            data = report_dict(report, source.info)
+            data["streamed"] = {"shards": len(source.reader.files), "processes": dist.world_size()}
+            (built / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
+            if passed or force:
+                apply_umask(built)
+                _replace_dir(built, out, overwrite)
+        else:
+            data = {}
+        passed = dist.broadcast(passed)
+        return data, passed
+    except OSError as error:
+        raise NormswapError(f"cannot save to {out}: {error.strerror or error}") from error
+    finally:
+        dist.barrier()
+        if dist.is_main():
+            shutil.rmtree(built, ignore_errors=True)
+
+
+def _guarded(fn, source: Source):
+    """Run ``fn``; a forward that reads a streamed weight outside its module becomes one clear line."""
+    try:
+        return fn()
+    except RuntimeError as error:
+        if "storage" in str(error) and "size 0" in str(error):
+            raise NormswapError(
+                f"{source.info.source}: cannot be streamed: a weight is read outside the module that holds "
+                f"it ({str(error).splitlines()[0]})"
+            ) from error
+        raise

@@ -1,0 +1,109 @@
+"""Splitting a streamed conversion over the processes of ``accelerate launch`` (or ``torchrun``).
+
+Without a launcher (or with one process) every function here is the single-process identity. With several,
+``accelerate.PartialState`` forms the process group (gloo on a machine without an accelerator, as
+``normswap eval`` does): the main process makes the temporary output directory and tells the others its
+path, each process writes its share of the shards, and failures are gathered so every process stops
+together with the first error.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from normswap.errors import NormswapError
+
+
+def _group():
+    """The ``torch.distributed`` module when a multi-process group is (or can be) up, else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch.distributed as torch_dist
+
+    if not torch_dist.is_initialized():
+        from accelerate import PartialState
+
+        PartialState(cpu=not torch.accelerator.is_available())
+    return torch_dist
+
+
+def world_size() -> int:
+    group = _group()
+    return group.get_world_size() if group else 1
+
+
+def rank() -> int:
+    group = _group()
+    return group.get_rank() if group else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    group = _group()
+    if group:
+        group.barrier()
+
+
+def broadcast(value):
+    """The main process's ``value``, on every process."""
+    group = _group()
+    if not group:
+        return value
+    box = [value]
+    group.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def my_share(items: list) -> list:
+    """This process's items: ``items[rank::world_size]``."""
+    return items[rank() :: world_size()]
+
+
+def shared_tempdir(out: Path) -> Path:
+    """A new hidden directory beside ``out`` (same filesystem, so it can be renamed to ``out``), made by
+    the main process; every process gets its path.
+
+    Raises:
+        NormswapError: the parent directory cannot be written.
+    """
+    path = None
+    error = None
+    if is_main():
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            path = str(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        except OSError as e:
+            error = f"cannot write to {out.parent}: {e.strerror or e}"
+    path, error = broadcast((path, error))
+    if error:
+        raise NormswapError(error)
+    return Path(path)
+
+
+def all_ok(fn) -> None:
+    """Run ``fn`` on every process; if it fails anywhere, raise on every process (the failing one re-raises
+    its own exception, the others a ``NormswapError`` naming it)."""
+    group = _group()
+    if not group:
+        fn()
+        return
+    failure, own = None, None
+    try:
+        fn()
+    except BaseException as error:  # noqa: BLE001 - reported to every process, then re-raised
+        own = error
+        failure = f"process {rank()}: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    failures = [None] * group.get_world_size()
+    group.all_gather_object(failures, failure)
+    if own is not None:
+        raise own
+    first = next((f for f in failures if f), None)
+    if first:
+        raise NormswapError(first)

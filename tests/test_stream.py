@@ -1,0 +1,264 @@
+"""Streamed conversion (``convert --max-memory``): the same checkpoint as the in-memory path, bit for bit.
+
+Each model is saved as a sharded safetensors directory (shards of a few KB, so every model spans several
+files) with a byte-level tokenizer, then converted twice through the CLI: in memory, and streamed with a
+budget smaller than any shard. The reference is the in-memory output, itself checked against the original
+by the CLI's own logits check; the streamed output must hold the same tensor names with bit-identical values
+(``torch.equal`` on the raw bytes), and the same sites in its report.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import make_tiny_model, write_tiny_gguf
+from safetensors import safe_open
+
+from normswap.cli import main
+from normswap.io import plain_float_checkpoint
+from normswap.stream import convert as stream_convert
+from normswap.stream.model import build, is_released
+from normswap.stream.shards import INDEX, CheckpointReader, ShardWriter
+
+TOKENS = "64"
+
+
+def run(*args) -> object:
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = write_tiny_gguf(tmp_path_factory.mktemp("tok") / "tiny.gguf")
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def save_sharded(model, tokenizer, folder: Path, shard: str = "24KB") -> Path:
+    with plain_float_checkpoint(model):
+        model.save_pretrained(folder, max_shard_size=shard)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    reader = CheckpointReader(folder)
+    return {name: reader.read(name) for name in reader.tensors}
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    ta, tb = tensors(a), tensors(b)
+    assert set(ta) == set(tb)
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype and ta[name].shape == tb[name].shape, name
+        assert torch.equal(ta[name].view(torch.uint8), tb[name].view(torch.uint8)), name
+    sites_a = json.loads((a / "normswap.json").read_text())["sites"]
+    sites_b = json.loads((b / "normswap.json").read_text())["sites"]
+    assert sites_a == sites_b
+
+
+def convert_both(src: Path, tmp_path: Path, *extra) -> tuple[Path, Path]:
+    memory, streamed = tmp_path / "memory", tmp_path / "streamed"
+    r = run("convert", src, "--output", memory, "--tokens", TOKENS, *extra)
+    assert r.exit_code == 0, r.output
+    r = run("convert", src, "--output", streamed, "--tokens", TOKENS, "--max-memory", "4KB", *extra)
+    assert r.exit_code == 0, r.output
+    return memory, streamed
+
+
+@pytest.mark.parametrize(
+    "name", ["llama", "llama-tied", "gemma-tied", "gemma2", "qwen3", "phi3", "gpt2", "falcon-new", "olmo2"]
+)
+def test_streamed_equals_in_memory(name, tokenizer, tmp_path):
+    """Tied (untied into lm_head), (1+w) and sandwich norms, Conv1D, MoE experts: bit-identical shards."""
+    from normswap.zoo import ZOO
+
+    entry = next(e for e in ZOO if e.name == name)
+    model = make_tiny_model(entry.model_type, **entry.overrides)
+    src = save_sharded(model, tokenizer, tmp_path / "src")
+    assert len(CheckpointReader(src).files) > 2
+    memory, streamed = convert_both(src, tmp_path)
+    assert_same_checkpoint(memory, streamed)
+    index = json.loads((streamed / INDEX).read_text())
+    reader = CheckpointReader(streamed)  # the index names every tensor's real file (checked by the reader)
+    assert set(index["weight_map"]) == set(reader.tensors)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in reader.tensors.values())
+    assert reader.files == CheckpointReader(src).files  # the input's shard layout
+
+
+def test_renamed_checkpoint_is_refused(tokenizer, tmp_path):
+    """transformers 5 stacks Mixtral's per-expert tensors as it loads them: refused in one line."""
+    src = save_sharded(make_tiny_model("mixtral"), tokenizer, tmp_path / "src")
+    r = run("convert", src, "--output", tmp_path / "out", "--tokens", TOKENS, "--max-memory", "4KB")
+    _one_error_line(r, "the checkpoint has no tensor model.layers.0.mlp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_tied_embedding_untied_in_its_own_tensor(tokenizer, tmp_path):
+    model = make_tiny_model("llama", tie_word_embeddings=True)
+    src = save_sharded(model, tokenizer, tmp_path / "src")
+    assert "lm_head.weight" not in CheckpointReader(src).tensors
+    _, streamed = convert_both(src, tmp_path)
+    out = tensors(streamed)
+    original = model.model.embed_tokens.weight.detach()
+    assert torch.equal(out["model.embed_tokens.weight"], original)  # the embedding is untouched
+    assert not torch.equal(out["lm_head.weight"], original)  # the final norm folded into the copy
+    assert json.loads((streamed / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_no_untie_keeps_the_tie(tokenizer, tmp_path):
+    model = make_tiny_model("llama", tie_word_embeddings=True)
+    src = save_sharded(model, tokenizer, tmp_path / "src")
+    memory, streamed = convert_both(src, tmp_path, "--no-untie")
+    assert_same_checkpoint(memory, streamed)
+    assert "lm_head.weight" not in CheckpointReader(streamed).tensors
+
+
+def test_bfloat16_streamed_equals_in_memory(tokenizer, tmp_path):
+    """The half-precision check upcasts the reference without reading the released weights."""
+    src = save_sharded(make_tiny_model("llama").to(torch.bfloat16), tokenizer, tmp_path / "src")
+    memory, streamed = convert_both(src, tmp_path, "--dtype", "bfloat16")
+    assert_same_checkpoint(memory, streamed)
+
+
+def test_walk_of_streamed_model_releases_weights(tokenizer, tmp_path):
+    """After the walk every weight of more than one dimension is back on disk (no bytes held)."""
+    from normswap.walk import walk
+
+    model = make_tiny_model("llama")
+    src = save_sharded(model, tokenizer, tmp_path / "src")
+    streamed = build(model.config, CheckpointReader(src), torch.float32)
+    sites = walk(streamed.model).sites
+    assert [s.to_dict() for s in sites] == [s.to_dict() for s in walk(model).sites]
+    big = [p for p in streamed.model.parameters() if p.ndim > 1]
+    assert big and all(is_released(p) for p in big)
+
+
+def test_model_that_fits_runs_in_memory(tokenizer, tmp_path):
+    src = save_sharded(make_tiny_model("llama"), tokenizer, tmp_path / "src")
+    r = run("convert", src, "--output", tmp_path / "out", "--tokens", TOKENS, "--max-memory", "1GiB")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "model.safetensors").is_file()  # save_pretrained's single file
+    assert "streamed" not in json.loads((tmp_path / "out" / "normswap.json").read_text())
+
+
+def _one_error_line(result, *fragments):
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("normswap: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_truncated_shard_is_one_line_exit_2(tokenizer, tmp_path):
+    src = save_sharded(make_tiny_model("llama"), tokenizer, tmp_path / "src")
+    shard = src / CheckpointReader(src).files[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    r = run("convert", src, "--output", tmp_path / "out", "--tokens", TOKENS, "--max-memory", "4KB")
+    _one_error_line(r, shard.name, "truncated")
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("size", ["abc", "-1GB"])
+def test_bad_max_memory(size, tokenizer, tmp_path):
+    src = save_sharded(make_tiny_model("llama"), tokenizer, tmp_path / "src")
+    _one_error_line(run("convert", src, "--output", tmp_path / "out", "--max-memory", size), "--max-memory")
+
+
+def test_gguf_cannot_be_streamed(tiny_gguf, tmp_path):
+    r = run("convert", tiny_gguf, "--output", tmp_path / "out", "--max-memory", "1KB")
+    _one_error_line(r, "GGUF")
+
+
+def test_failed_check_or_interrupt_leaves_no_output(tokenizer, tmp_path, monkeypatch):
+    src = save_sharded(make_tiny_model("llama"), tokenizer, tmp_path / "src")
+    check_module = sys.modules["normswap.check"]
+    real_compare = check_module.compare
+
+    def failing(reference, model, ids, *args, **kwargs):
+        result = real_compare(reference, model, ids, *args, **kwargs)
+        result.passed = False
+        return result
+
+    monkeypatch.setattr(check_module, "compare", failing)
+    r = run("convert", src, "--output", tmp_path / "out", "--tokens", TOKENS, "--max-memory", "4KB")
+    assert r.exit_code == 1 and "nothing saved" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    monkeypatch.setattr(check_module, "compare", real_compare)
+
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_make(*args, **kwargs)
+
+    real_make = stream_convert.make_tensor
+    monkeypatch.setattr(stream_convert, "make_tensor", interrupted)
+    r = run("convert", src, "--output", tmp_path / "out", "--tokens", TOKENS, "--max-memory", "4KB")
+    assert r.exit_code == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_shard_writer_reads_back_with_safetensors(tmp_path):
+    tensors_in = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7, dtype=torch.float64).to(torch.bfloat16),
+        "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "d": torch.tensor([True, False]),
+    }
+    writer = ShardWriter(
+        tmp_path / "x.safetensors", [(n, t.dtype, tuple(t.shape)) for n, t in tensors_in.items()]
+    )
+    for name, t in tensors_in.items():
+        writer.write(name, t)
+    writer.close()
+    with safe_open(tmp_path / "x.safetensors", framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        for name, t in tensors_in.items():
+            assert torch.equal(f.get_tensor(name), t)
+    with pytest.raises(ValueError):
+        ShardWriter(tmp_path / "y.safetensors", [("a", torch.float32, (2,))]).write("b", torch.zeros(2))
+
+
+@pytest.mark.real
+def test_smollm2_safetensors_streamed_equals_in_memory(tmp_path):
+    from normswap.io import load_model
+
+    try:
+        loaded = load_model("smollm2-135m")
+    except Exception as error:  # noqa: BLE001 - no network and no cache
+        pytest.skip(f"smollm2-135m unavailable: {error}")
+    src = save_sharded(loaded.model, loaded.tokenizer, tmp_path / "src", shard="200MB")
+    del loaded
+    memory, streamed = convert_both(src, tmp_path)
+    assert_same_checkpoint(memory, streamed)
+
+
+def test_two_processes_write_the_same_bytes(tokenizer, tmp_path):
+    """``accelerate launch --multi_gpu --num_processes 2`` on the CPU (gloo): shards byte-identical."""
+    src = save_sharded(make_tiny_model("llama"), tokenizer, tmp_path / "src")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run("convert", src, "--output", one, "--tokens", TOKENS, "--max-memory", "4KB").exit_code == 0
+    root = Path(__file__).resolve().parent.parent
+    launch = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no", "--main_process_port", "29517"]  # fmt: skip
+    args = ["convert", str(src), "--output", str(two), "--tokens", TOKENS, "--max-memory", "4KB"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "normswap", *args]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = sorted(p.name for p in one.glob("*.safetensors"))
+    assert files == sorted(p.name for p in two.glob("*.safetensors"))
+    for name in [*files, INDEX]:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    assert json.loads((two / "normswap.json").read_text())["streamed"]["processes"] == 2
