@@ -17,7 +17,7 @@ runs the check and moves the directory into place.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,7 +240,8 @@ def convert_streamed(
     from normswap.check import compare, reference_outputs
     from normswap.convert import ConvertReport
     from normswap.fold import plan
-    from normswap.io.save import MANIFEST, _replace_dir, apply_umask, report_dict
+    from normswap.io import files
+    from normswap.io.save import MANIFEST, _remove_stale, _replace_dir, report_dict
     from normswap.swap import swap_norms
     from normswap.walk import walk
 
@@ -264,7 +265,13 @@ def convert_streamed(
     config = streamed.model.config
     streamed.close()  # holds only the 1-D parameters from here on
     release_memory()
-    built = dist.shared_tempdir(out)
+    lock = contextlib.ExitStack()  # held by the main process from here to the end, as save_converted does
+
+    def take_lock():
+        lock.enter_context(files.output_lock(out))
+        _remove_stale(out)
+
+    built = dist.shared_tempdir(out, prepare=take_lock)
     try:
         step(f"writing {len(source.reader.files)} shard(s) ...")
         mine = dist.my_share(source.reader.files)
@@ -292,20 +299,25 @@ def convert_streamed(
             passed = bool(checked.passed)
             data = report_dict(report, source.info)
             data["streamed"] = {"shards": len(source.reader.files), "processes": dist.world_size()}
-            (built / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
+            (built / MANIFEST).write_text(files.to_json(data))
             if passed or force:
-                apply_umask(built)
+                files.apply_umask(built)
+                if out.exists() and not overwrite:  # created while this process was converting
+                    raise NormswapError(f"output directory {out} already exists; pass overwrite=True")
                 _replace_dir(built, out, overwrite)
         else:
             data = {}
         passed = dist.broadcast(passed)
         return data, passed
-    except OSError as error:
-        raise NormswapError(f"cannot save to {out}: {error.strerror or error}") from error
+    except NormswapError:
+        raise
+    except Exception as error:  # any writer's exception type: OSError, SafetensorError, ...
+        raise files.write_error(out, error) from error
     finally:
         dist.barrier()
         if dist.is_main():
             shutil.rmtree(built, ignore_errors=True)
+            lock.close()
 
 
 def _guarded(fn, source: Source):

@@ -66,19 +66,24 @@ def my_share(items: list) -> list:
     return items[rank() :: world_size()]
 
 
-def shared_tempdir(out: Path) -> Path:
+def shared_tempdir(out: Path, prepare=None) -> Path:
     """A new hidden directory beside ``out`` (same filesystem, so it can be renamed to ``out``), made by
-    the main process; every process gets its path.
+    the main process; every process gets its path. ``prepare()`` runs on the main process first (taking
+    the output's lock); its NormswapError reaches every process.
 
     Raises:
-        NormswapError: the parent directory cannot be written.
+        NormswapError: the parent directory cannot be written, or ``prepare`` refused.
     """
     path = None
     error = None
     if is_main():
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
+            if prepare is not None:
+                prepare()
             path = str(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        except NormswapError as e:
+            error = str(e)
         except OSError as e:
             error = f"cannot write to {out.parent}: {e.strerror or e}"
     path, error = broadcast((path, error))
