@@ -12,6 +12,7 @@ the same Parameter as another module's (tied embeddings) is given its own copy (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,11 +39,13 @@ class FoldPlan:
     needs_untie: set[str] = field(default_factory=set)
 
 
-def plan(model: nn.Module, walk: Walk, untie: bool = True) -> FoldPlan:
+def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None = None) -> FoldPlan:
     """Decide which foldable sites fold, and what must be untied; marks blocked sites with their reason.
 
     A site whose folded consumer weights (or biases) would not fit their dtype is blocked here, before
     anything is written (``unrepresentable``), so a refused fold never leaves an inf in the model.
+    ``read(name)`` gives a parameter's values for that test (default ``model.get_parameter``; the
+    streamed path reads them from the checkpoint).
 
     A consumer weight may be used by nothing but this site's consumer ops. If it is shared with another use
     (for example the input embedding tied to ``lm_head``), the consumer module gets its own copy when
@@ -77,7 +80,7 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True) -> FoldPlan:
                     to_untie.append(owner)
             if blocked:
                 break
-        blocked = blocked or unrepresentable(model, site)
+        blocked = blocked or unrepresentable(model, site, read)
         if blocked:
             site.foldable, site.reason = False, blocked
             continue
@@ -218,7 +221,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 @torch.no_grad()
-def unrepresentable(model: nn.Module, site: NormSite) -> str | None:
+def unrepresentable(model: nn.Module, site: NormSite, read: Callable | None = None) -> str | None:
     """Why folding ``site`` would store a value its consumers' dtypes cannot hold, or None when it can.
 
     Computes every folded weight (and bias) exactly as ``fold_site`` will, in float64 blocks, without
@@ -226,6 +229,7 @@ def unrepresentable(model: nn.Module, site: NormSite) -> str | None:
     cannot take a fold at all, and a folded value beyond the dtype's finite range (``finfo.max``: 65504 for
     float16) would be stored as inf. Values that were already not finite before the fold are not counted.
     """
+    read = read or model.get_parameter
     norm = model.get_submodule(site.name)
     scale, shift = scale_and_shift(site, norm)
     seen: set[tuple[str, int]] = set()
@@ -233,7 +237,7 @@ def unrepresentable(model: nn.Module, site: NormSite) -> str | None:
         if (c.param, c.axis) in seen:
             continue
         seen.add((c.param, c.axis))
-        weight = model.get_parameter(c.param)
+        weight = read(c.param)
         if not weight.is_floating_point():
             return (
                 f"consumer weight {c.param} is stored as {_dtype_name(weight.dtype)}: a fold cannot be stored"
@@ -245,7 +249,7 @@ def unrepresentable(model: nn.Module, site: NormSite) -> str | None:
             for dim, start, length in _blocks(weight, c.axis)
         ]
         if shift is not None and c.bias is not None:
-            bias = model.get_parameter(c.bias)
+            bias = read(c.bias)
             delta = bias_delta(weight, shift, c.axis)
             if delta.shape == bias.shape:
                 parts.append((c.bias, bias, None, delta))

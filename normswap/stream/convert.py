@@ -18,6 +18,7 @@ runs the check and moves the directory into place.
 from __future__ import annotations
 
 import contextlib
+import copy
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ import torch
 
 from normswap.errors import NormswapError
 from normswap.stream import dist
-from normswap.stream.model import Streamed, build
+from normswap.stream.model import Streamed, StreamedParameter, build, is_released
 from normswap.stream.plan import layout, make_tensor, tensor_plans
 from normswap.stream.shards import CheckpointReader, ShardWriter, nbytes, write_index
 
@@ -259,7 +260,7 @@ def convert_streamed(
         step(f"running the original on {input_ids.shape[-1]} tokens (streamed) ...")
         reference = _guarded(lambda: reference_outputs(streamed.model, input_ids, sites=traced.sites), source)
     release_memory()
-    folding = plan(streamed.model, traced, untie=untie)
+    folding = plan(streamed.model, traced, untie=untie, read=lambda name: _values(streamed.model, name))
     untied = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else []
     plans = tensor_plans(streamed, folding, untied)
     config = streamed.model.config
@@ -318,6 +319,12 @@ def convert_streamed(
         if dist.is_main():
             shutil.rmtree(built, ignore_errors=True)
             lock.close()
+
+
+def _values(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """Parameter ``name`` of a streamed model with its values (read from the checkpoint when released)."""
+    p = model.get_parameter(name)
+    return copy.deepcopy(p) if isinstance(p, StreamedParameter) and is_released(p) else p
 
 
 def _guarded(fn, source: Source):
