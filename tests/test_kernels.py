@@ -591,16 +591,22 @@ _TRITON_CHECK = textwrap.dedent(
         a = v.abs().to(dtype)
         return (torch.nextafter(a, a + float("inf")) - a).double()
 
+    # Every launch configuration of tn._config: packed short rows (96: 32 rows a program; per-head (4, 32):
+    # 64), one row with 4 warps (1000, masked to 1024), one row with 8 warps (2048); offsets 0 and 1.
+    CASES = (((3, 5, 96), (96,)), ((2, 3, 4, 32), (4, 32)), ((3, 1000), (1000,)), ((2, 2048), (2048,)))
+    configs = {tn._config(shape[-1])[1:] for shape, _ in CASES}
+    assert len(configs) == 4, configs
     g = torch.Generator().manual_seed(0)
     for xdt in (torch.float16, torch.float32, torch.bfloat16):
         for wdt in (xdt, torch.float32):
             for order in ("llama", "fp32"):
-                for shape, wshape in (((3, 5, 96), (96,)), ((2, 3, 4, 32), (4, 32))):
+                for k, (shape, wshape) in enumerate(CASES):
+                    offset = float(k % 2)
                     x = (torch.randn(shape, generator=g) * 3).to(xdt)
-                    w = (torch.rand(wshape, generator=g) + 0.5).to(wdt)
+                    w = (torch.rand(wshape, generator=g) + 0.5 - offset).to(wdt)
                     b = (torch.rand(wshape, generator=g) - 0.5).to(wdt)
                     r = (torch.randn(shape, generator=g) * 3).to(wdt)
-                    w, b = ref.prepare_params(w, b, 0.0, order)
+                    w, b = ref.prepare_params(w, b, offset, order)
                     pairs = [
                         (tn.rms_norm(x, w, 1e-6, order), ref.rms_norm_math(x, w, 1e-6, order)),
                         (tn.layer_norm(x, w, b, 1e-5, order), ref.layer_norm_math(x, w, b, 1e-5, order)),
@@ -608,8 +614,9 @@ _TRITON_CHECK = textwrap.dedent(
                     ]
                     y, h = tn.add_rms_norm(x, r, w, 1e-6, order)
                     pairs += [(h, x + r), (y, ref.rms_norm_math(x + r, w, 1e-6, order))]
+                    pairs.append((tn.layer_norm(x, None, b, 1e-5, order), ref.layer_norm_math(x, None, b, 1e-5, order)))
                     for i, (out, want) in enumerate(pairs):
-                        case = (xdt, wdt, order, shape, i)
+                        case = (xdt, wdt, order, shape, offset, i)
                         assert out.dtype == want.dtype and out.shape == want.shape, (case, out.dtype)
                         d = (out.double() - want.double()).abs()
                         floor = 2.0**-20 * want.double().abs().max()

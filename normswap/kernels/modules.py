@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from normswap.kernels import ops
-from normswap.kernels.reference import CAST_ORDERS
+from normswap.kernels.reference import CAST_ORDERS, prepare_params
 
 
 class _FusedNorm(nn.Module):
@@ -55,6 +55,8 @@ class _FusedNorm(nn.Module):
             self.register_parameter(weight_name, nn.Parameter(torch.empty(shape, **factory)))
         if bias_name is not None:
             self.register_parameter(bias_name, nn.Parameter(torch.empty(shape, **factory)))
+        self._identity_key: tuple | None = None  # see _identity_weight
+        self._identity = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -69,6 +71,29 @@ class _FusedNorm(nn.Module):
         w = getattr(self, self.weight_name) if self.weight_name is not None else None
         b = getattr(self, self.bias_name) if self.bias_name is not None else None
         return w, b
+
+    def _identity_weight(self, w: torch.Tensor) -> bool:
+        """Whether ``offset + w`` is exactly 1 everywhere (in the dtype the cast order multiplies in), so
+        the norm may drop its weight: ``1 * v`` is exact in both cast orders.
+
+        Decided once per state of the weight and cached under ``(w._version, w.data_ptr(), dtype,
+        device)``: every in-place edit (an optimizer step, ``load_state_dict``, ``fill_`` under no_grad)
+        bumps the version counter and ``.to()``/``module.weight = ...`` change the pointer, so the answer
+        is recomputed (one reduction and, on CUDA, one synchronization) after a change and costs one tuple
+        comparison otherwise. Edits through ``weight.data`` bypass the version counter: after those, call
+        ``reset_identity_cache()``.
+        """
+        key = (w._version, w.data_ptr(), w.dtype, w.device)
+        if key != self._identity_key:
+            eff, _ = prepare_params(w, None, self.offset, self.cast_order)
+            with torch.no_grad():
+                self._identity = bool((eff == 1).all())
+            self._identity_key = key
+        return self._identity
+
+    def reset_identity_cache(self) -> None:
+        """Forget whether the weight is the identity (needed only after edits through ``weight.data``)."""
+        self._identity_key = None
 
     def _precision(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None):
         """``(x, w, b, back)`` as the op should see them: for a float64 input of a module that computes in
@@ -138,8 +163,25 @@ class FusedRMSNorm(_FusedNorm):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, w, _, back = self._precision(x, *self._params())
-        y = ops.rms_norm_unchecked(x, w, self.eps, self.offset, self.cast_order, self.backend)
+        w = self._parameters.get(self.weight_name) if self.weight_name is not None else None
+        if w is None and self.weight_name is not None:  # replaced by a plain tensor or buffer
+            w = getattr(self, self.weight_name)
+        back = None
+        if self.compute_dtype is not None and x.dtype == torch.float64:
+            x, w, _, back = self._precision(x, w, None)
+        if (
+            w is not None
+            and not (w.requires_grad and torch.is_grad_enabled())  # autograd needs the weight
+            and not torch.compiler.is_compiling()  # the compiler sees the weight (no data-dependent branch)
+            and self._identity_weight(w)
+        ):
+            # Folded models hold weight 1 (or 0 with offset 1) in most norms: the weight-free norm is the
+            # same numbers (1 * v is exact) and runs torch's fused kernel under "auto" (ops._pick).
+            y = ops.rms_norm_unchecked(x, None, self.eps, 0.0, self.cast_order, self.backend)
+            if self.cast_order == "llama" and w.dtype != y.dtype:
+                y = y.to(torch.promote_types(y.dtype, w.dtype))
+        else:
+            y = ops.rms_norm_unchecked(x, w, self.eps, self.offset, self.cast_order, self.backend)
         return y if back is None else y.to(back)
 
 
