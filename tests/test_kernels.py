@@ -614,7 +614,8 @@ _TRITON_CHECK = textwrap.dedent(
                     ]
                     y, h = tn.add_rms_norm(x, r, w, 1e-6, order)
                     pairs += [(h, x + r), (y, ref.rms_norm_math(x + r, w, 1e-6, order))]
-                    pairs.append((tn.layer_norm(x, None, b, 1e-5, order), ref.layer_norm_math(x, None, b, 1e-5, order)))
+                    ln_b = ref.layer_norm_math(x, None, b, 1e-5, order)
+                    pairs.append((tn.layer_norm(x, None, b, 1e-5, order), ln_b))
                     for i, (out, want) in enumerate(pairs):
                         case = (xdt, wdt, order, shape, offset, i)
                         assert out.dtype == want.dtype and out.shape == want.shape, (case, out.dtype)
@@ -670,3 +671,165 @@ def test_cuda_backends_match_transformers_module(name, dtype):
     y, h = add_rms_norm(x, res, w, backend="triton")
     assert torch.equal(h, x + res)
     assert_ulp_close(y, rms_norm(x + res, w, backend="eager"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Identity weights: after folding most norms hold weight 1 (or 0 with offset 1); the module then drops the
+# weight (1 * v is exact in both cast orders) and ``auto`` runs torch's F.rms_norm.
+
+
+def _spy(monkeypatch, name="rms_norm_unchecked"):
+    """Record the weight argument of every call of ``ops.<name>`` the modules make."""
+    from normswap.kernels import ops
+
+    seen = []
+    real = getattr(ops, name)
+
+    def spy(x, weight, *args):
+        seen.append(weight)
+        return real(x, weight, *args)
+
+    monkeypatch.setattr(ops, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("model_type", ["llama", "gemma"])
+def test_identity_weight_is_dropped_exactly(monkeypatch, model_type, dtype):
+    """Identity weight (Llama's 1, Gemma's 0): the weight is dropped and the output equals the HF module bit
+    for bit, at decode and prefill sizes; after an in-place edit the weight is used again (and exact)."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    d = 256
+    hf = (LlamaRMSNorm(d, eps=1e-6) if model_type == "llama" else GemmaRMSNorm(d, eps=1e-6)).to(dtype)
+    hf.requires_grad_(False)
+    fused = _fused_for(hf).requires_grad_(False)
+    seen = _spy(monkeypatch)
+    for shape in ((1, 1, d), (2, 70, d)):  # CPU auto: torch below CPU_TORCH_RMS_MAX, eager above
+        x = hidden(shape, dtype)
+        assert torch.equal(fused(x), hf(x))
+    assert seen == [None, None]
+    with torch.no_grad():  # an in-place edit bumps the version counter: the cached answer is recomputed
+        hf.weight[3] += 0.5
+        fused.weight[3] += 0.5
+    x = hidden((2, 70, d), dtype)
+    assert torch.equal(fused(x), hf(x))
+    assert seen[-1] is fused.weight
+    with torch.no_grad():  # back to the identity
+        fused.weight[3] -= 0.5
+    fused(x)
+    assert seen[-1] is None
+
+
+def test_identity_cache_follows_the_parameter(monkeypatch):
+    """A new tensor (``.data =``, ``.to()``) changes the pointer; ``load_state_dict`` bumps the version;
+    ``.data`` edits need ``reset_identity_cache``; a weight that needs gradients is always passed."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    fused = FusedRMSNorm(64, 1e-6)
+    seen = _spy(monkeypatch)
+    x = hidden((3, 64), torch.bfloat16)
+    w = noise(64, 1.0)
+    with torch.no_grad():
+        fused(x)
+        fused.weight.data = w.clone()
+        fused(x)
+        fused.load_state_dict({"weight": torch.ones(64)})
+        fused(x)
+        fused.weight.data.copy_(w)  # invisible to the version counter
+        fused.reset_identity_cache()
+        y = fused(x)
+    assert seen == [None, fused.weight, None, fused.weight]
+    hf = LlamaRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    assert torch.equal(y, hf(x))
+
+    one, hf_one = FusedRMSNorm(64, 1e-6), LlamaRMSNorm(64, eps=1e-6)  # training: gradients reach the weight
+    xg = hidden((3, 64), torch.float32)
+    one(xg).square().sum().backward()
+    hf_one(xg).square().sum().backward()
+    assert seen[-1] is one.weight
+    torch.testing.assert_close(one.weight.grad, hf_one.weight.grad, rtol=0, atol=0)
+
+
+def test_identity_mixed_dtypes_and_layer_norm(monkeypatch):
+    """Llama order promotes to the weight's dtype also when the weight is dropped (case C3); LayerNorm (fp32
+    order with a bias) never drops its parameters."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(64, eps=1e-6).requires_grad_(False)  # float32 weight 1
+    fused = _fused_for(hf).requires_grad_(False)
+    x = hidden((2, 5, 64), torch.bfloat16)
+    out = fused(x)
+    assert out.dtype == torch.float32 and torch.equal(out, hf(x))
+
+    seen = _spy(monkeypatch, "layer_norm_unchecked")
+    ln = FusedLayerNorm(64, 1e-5).requires_grad_(False)  # identity weight, zero bias
+    ref_ln = nn.LayerNorm(64, eps=1e-5).requires_grad_(False)
+    assert torch.equal(ln(x), ref_ln(x))
+    assert seen == [ln.weight]
+
+
+def test_auto_routing_decisions():
+    """``auto``: weight-free RMSNorm -> torch; CPU RMSNorm by size; CUDA decode-sized calls -> torch."""
+    from types import SimpleNamespace
+
+    from normswap.kernels.ops import CPU_TORCH_RMS_MAX, CUDA_TORCH_MAX, _pick
+
+    w = torch.ones(64)
+    small, large = torch.zeros(2, 64), torch.zeros(CPU_TORCH_RMS_MAX // 64 + 1, 64)
+    assert _pick("rms", "auto", large, None) == "torch"
+    assert _pick("rms", "auto", small, w) == "torch"
+    assert _pick("rms", "auto", large, w) == "eager"
+    assert _pick("layer", "auto", large, w, w) == "torch"
+    assert _pick("rms", "eager", small, None) == "eager"  # a forced backend is kept
+    cuda = SimpleNamespace(is_cuda=True, is_cpu=False, numel=lambda: CUDA_TORCH_MAX)
+    assert _pick("rms", "auto", cuda, w) == "torch" and _pick("layer", "auto", cuda, w, w) == "torch"
+
+
+@pytest.mark.compile
+def test_compiled_static_cache_generate_same_tokens(tiny_model):
+    """A converted tiny Llama (norm weights re-randomized, then folded: identity weights in the fused norms)
+    under transformers' compiled decoding (static cache, fullgraph) and under ``torch.compile(model)``:
+    no graph break and the same greedy tokens as the unconverted model run the same way."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    from normswap.convert import convert
+
+    def randomize(model):
+        with torch.no_grad():
+            for i, (name, p) in enumerate(model.named_parameters()):
+                if "norm" in name:
+                    p.copy_(noise(p.shape, 1.0, seed=i))
+        return model
+
+    original = randomize(tiny_model("llama")).eval()
+    converted = randomize(tiny_model("llama")).eval()
+    convert(converted)
+    assert sum(isinstance(m, FusedRMSNorm) for m in converted.modules()) == 5
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    tokens = {}
+    for label, model in (("original", original), ("converted", converted)):
+        # Dynamo's own backend keeps the test to graph capture (no inductor codegen on a 2-core CPU);
+        # _compile_all_devices makes generate compile on the CPU as it does on CUDA.
+        model.generation_config.compile_config = CompileConfig(fullgraph=True, backend="eager")
+        model.generation_config.compile_config._compile_all_devices = True
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=6, do_sample=False, cache_implementation="static", pad_token_id=0
+            )
+        assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], label
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        with torch.no_grad():
+            logits = compiled(ids).logits
+        assert not counters["graph_break"], label
+        tokens[label] = (out, logits.argmax(-1))
+    assert torch.equal(tokens["converted"][0], tokens["original"][0])
+    assert torch.equal(tokens["converted"][1], tokens["original"][1])
