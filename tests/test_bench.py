@@ -84,6 +84,8 @@ def test_bench_command_exit_codes(tmp_path):
         (["--no-kernels", "--model", "smollm2-135m", "--device", "meta", "--out", str(fresh)], "must be cpu"),
         (["--quick", "--backends", "", "--out", str(fresh)], "list of backends is empty"),
         (["--quick", "--out", str(a_file / "sub")], "is not a directory"),
+        (["--shapes", "16384by2048", *out], "is not ROWSxHIDDEN"),
+        (["--shapes", "0x64", *out], "is not ROWSxHIDDEN"),
     ]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda", *out], "sees no CUDA device"))
@@ -99,7 +101,38 @@ def test_bench_command_exit_codes(tmp_path):
     args = ["--quick", "--no-heap-reuse", "--dtypes", "float32", "--backends", "eager,torch", *out]
     result = runner.invoke(main, ["bench", *args])
     assert result.exit_code == 0, result.output
-    assert json.loads((tmp_path / "norm_kernels.json").read_text())["results"]
+    doc = json.loads((tmp_path / "norm_kernels.json").read_text())
+    assert doc["results"] and doc["decode"]
+    first = "decode 1x576 float32 normswap FusedRMSNorm [auto]"
+    assert any(line.startswith(first) for line in doc["targets"])
+
+
+def test_bench_decode_rows_and_agreement():
+    """Per-call rows at decode sizes: every fused module reproduces its HF module bit for bit (the CPU
+    backends, identity weight included), except eager LayerNorm's two-pass formula (float32 order)."""
+    from normswap.bench.decode import bench_decode, decode_targets, format_decode_table
+
+    rows = bench_decode([(1, 64), (8, 48)], ["float32", "bfloat16"], ["eager", "torch"], rounds=2, calls=2)
+    names = {r["name"] for r in rows}
+    assert {"HF LlamaRMSNorm", "normswap FusedRMSNorm [auto]", "normswap FusedLayerNorm [auto]"} <= names
+    assert "normswap FusedRMSNorm weight 1 [auto]" in names
+    assert {"normswap FusedRMSNorm [eager]", "normswap FusedLayerNorm [torch]", "nn.LayerNorm"} <= names
+    assert len(rows) == 4 * len(names)
+    for r in rows:
+        assert r["per_call_us"] > 0
+        if r["name"] == "HF LlamaRMSNorm":
+            assert r["ratio_to_hf"] == 1.0
+        if r["name"].startswith("normswap"):
+            assert r["agrees_with"] is not None
+            if r["name"] == "normswap FusedLayerNorm [eager]":
+                assert r["max_abs_diff"] <= (1e-5 if r["dtype"] == "float32" else 2**-5)
+            else:
+                assert r["max_abs_diff"] == 0.0, r
+    lines = decode_targets(rows, "cpu")
+    assert len(lines) == 3 * 4 and all(line.endswith((": met", ": missed")) for line in lines)
+    assert "x HF LlamaRMSNorm (target <= 1.03x)" in lines[0]
+    assert "| normswap FusedRMSNorm [auto] |" in format_decode_table(rows)
+    assert bench.parse_shapes("16384x2048, 8X64") == ((16384, 2048), (8, 64))
 
 
 def test_bench_model_on_tiny_gguf(tiny_gguf):

@@ -144,7 +144,10 @@ def run(
             log(f"target {line}")
     if kernels and decode:
         decode_rows = bench_decode(
-            dtypes=dtypes, backends=backends or default_backends(torch.device(device)), device=device
+            dtypes=dtypes,
+            backends=backends or default_backends(torch.device(device)),
+            rounds=2 * rounds,
+            device=device,
         )
         log(format_decode_table(decode_rows))
         for line in decode_targets(decode_rows, device):
