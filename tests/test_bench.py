@@ -51,8 +51,12 @@ def test_write_results(tmp_path):
     doc = json.loads(paths[0].read_text())
     assert doc["results"] == rows and doc["machine"]["torch"] == torch.__version__
     assert doc["targets"] == []  # no target covers [4, 16]
+    md = paths[1].read_text()
+    assert "| HF LlamaRMSNorm |" in md and "RMSNorm (llama order): shape, dtype" in md
+    summary = md.split("## summary")[1]
+    assert "| 4x16 float32 |" in summary and "x [eager]" in summary  # normswap's best backend is named
     if importlib.util.find_spec("matplotlib") is not None:
-        assert paths[1].suffix == ".png" and paths[1].stat().st_size > 0
+        assert paths[2].suffix == ".png" and paths[2].stat().st_size > 0
 
 
 def test_bench_command_exit_codes(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from normswap.io.files import write_json
+from normswap.io.files import write_json, write_text
 
 
 def _cpuinfo(field: str) -> str | None:
@@ -123,6 +123,42 @@ def check_targets(rows: list[dict], device: str) -> list[str]:
     return lines
 
 
+# The summary of issue 13: per (shape, dtype), each computation's anchors and normswap's fastest backend.
+_SUMMARY = (
+    (
+        "RMSNorm (llama order)",
+        ("HF LlamaRMSNorm", "F.rms_norm", "torch.compile(HF LlamaRMSNorm)", "Liger RMSNorm"),
+        ("normswap rms_norm llama", "normswap FusedRMSNorm weight 1"),
+    ),
+    ("LayerNorm", ("nn.LayerNorm", "Liger LayerNorm"), ("normswap layer_norm",)),
+)
+
+
+def format_summary(rows: list[dict]) -> str:
+    """Markdown tables in the layout of issue 13: time / copy per (shape, dtype) for the anchors and
+    normswap's fastest backend of each op (named in the cell); anchors that did not run are left out."""
+    configs = list(dict.fromkeys((r["tokens"], r["hidden"], r["dtype"]) for r in rows))
+    cell = {(r["tokens"], r["hidden"], r["dtype"], r["name"]): r for r in rows}
+    names = {r["name"] for r in rows}
+    out = []
+    for title, anchors, ops in _SUMMARY:
+        anchors = [a for a in anchors if a in names]
+        head = [f"{title}: shape, dtype", *anchors, *ops]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for t, h, d in configs:
+            here = {n: r for (tt, hh, dd, n), r in cell.items() if (tt, hh, dd) == (t, h, d)}
+            cells = [f"{t}x{h} {d}"]
+            cells += [f"{here[a]['ratio_to_copy']:.2f}x" if a in here else "" for a in anchors]
+            for op in ops:
+                mine = [r for n, r in here.items() if n.startswith(op)]
+                best = min(mine, key=lambda r: r["median_s"], default=None)
+                backend = "" if best is None else best["name"][len(op) :].strip()
+                cells.append("" if best is None else f"{best['ratio_to_copy']:.2f}x {backend}".strip())
+            lines.append("| " + " | ".join(cells) + " |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "missed"
 
@@ -169,7 +205,15 @@ def write_results(
         "decode": decode_rows or [],
     }
     write_json(path, doc)
-    written = [path]
+    from normswap.bench.decode import format_decode_table
+
+    parts = ["# norm kernels: time / copy (GB/s)", format_table(rows), "## summary", format_summary(rows)]
+    if decode_rows:
+        parts += ["## decode sizes, per call through the module", format_decode_table(decode_rows)]
+    parts += ["## targets", "\n".join(f"- {line}" for line in targets)]
+    md = out / "norm_kernels.md"
+    write_text(md, "\n\n".join(parts) + "\n")
+    written = [path, md]
     png = _plot(rows, out / "norm_kernels.png")
     if png is not None:
         written.append(png)
