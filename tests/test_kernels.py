@@ -833,3 +833,40 @@ def test_compiled_static_cache_generate_same_tokens(tiny_model):
         tokens[label] = (out, logits.argmax(-1))
     assert torch.equal(tokens["converted"][0], tokens["original"][0])
     assert torch.equal(tokens["converted"][1], tokens["original"][1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_cuda_triton_configs_and_identity_route(dtype):
+    """On a GPU: the triton kernel in every launch configuration (packed short rows, per-head, one row with
+    4/8/16 warps) and both cast orders against the eager reference, <= 1 ulp on under 0.1% of the elements;
+    an identity-weight module (torch's F.rms_norm) against the HF module, same bound (issue 13)."""
+    pytest.importorskip("triton")
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    cases = (((64, 96), (96,)), ((16, 8, 128), (8, 128)), ((512, 1000), (1000,)), ((512, 2048), (2048,)))
+    cases += (((4096, 4096), (4096,)), ((300, 8192), (8192,)))
+    for shape, wshape in cases:
+        x = hidden(shape, dtype).cuda()
+        for order, offset in (("llama", 0.0), ("fp32", 1.0)):
+            w = (noise(wshape, 1.0 - offset, dtype=dtype)).cuda()
+            b = noise(wshape, 0.0, seed=3, dtype=dtype).cuda()
+            got = rms_norm(x, w, 1e-6, offset, order, backend="triton")
+            assert_ulp_close(got, rms_norm(x, w, 1e-6, offset, order, backend="eager"), max_frac=0.001)
+            got = layer_norm(x, w, b, 1e-5, offset, order, backend="triton")
+            want = layer_norm(x, w, b, 1e-5, offset, order, backend="eager")
+            # An output near zero is a cancellation of w * n against b: one ulp of w * n (the float32
+            # summation order moves n by an ulp of its own) is then many ulps of the output, so the bound
+            # is two ulps (n, then w * n in llama order) at the magnitude before the bias, plus the final one.
+            diff = (got.double() - want.double()).abs()
+            bound = ulp(want) + 2 * ulp((want.double() - b.double()).abs().to(dtype))
+            assert (diff <= bound).all(), (shape, order)
+            assert (diff > 0).double().mean().item() <= 0.001, (shape, order)
+    for rows in (1, 8, 128, 16384):
+        x = hidden((rows, 4096), dtype).cuda()
+        for hf in (LlamaRMSNorm(4096, eps=1e-6), GemmaRMSNorm(4096, eps=1e-6)):
+            hf = hf.to("cuda", dtype).requires_grad_(False)
+            fused = _fused_for(hf).cuda().requires_grad_(False)
+            assert fused._identity_weight(fused.weight)
+            assert_ulp_close(fused(x), hf(x), max_frac=0.001)
