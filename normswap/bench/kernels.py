@@ -92,6 +92,9 @@ def _candidates(x: torch.Tensor, backends: list[str]) -> dict[str, tuple[Callabl
     c["normswap FusedRMSNorm weight 1 [auto]"] = (lambda: fused_one(x), io, HF_ONE)
     if dev.type == "cuda" or "compiled" in backends:
         # torch.compile of the HF module as users would write it (dynamo's defaults, no precision flags).
+        # One compile per dtype and shape kind: raise dynamo's recompile limit (8) so that a grid of many
+        # shapes and dtypes never falls back to eager silently (this process only benchmarks).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         llama_c = torch.compile(llama)
         c["torch.compile(HF LlamaRMSNorm)"] = (lambda: llama_c(x), io, hf_llama)
     for name, (fn, ref) in _liger(x, w, b).items():
