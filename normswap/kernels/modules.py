@@ -84,8 +84,11 @@ class _FusedNorm(nn.Module):
         bumps the version counter and ``.to()``/``module.weight = ...`` change the pointer, so the answer
         is recomputed (one reduction and, on CUDA, one synchronization) after a change and costs one tuple
         comparison otherwise. Edits through ``weight.data`` bypass the version counter: after those, call
-        ``reset_identity_cache()``.
+        ``reset_identity_cache()``. Inference tensors (parameters made under ``torch.inference_mode``) have
+        no version counter: for them the answer is always False (the weight is used).
         """
+        if w.is_inference():
+            return False
         key = (w._version, w.data_ptr(), w.dtype, w.device)
         if key != self._identity_key:
             eff, _ = prepare_params(w, None, self.offset, self.cast_order)
