@@ -743,9 +743,9 @@ def test_identity_cache_follows_the_parameter(monkeypatch):
     assert seen == [None, fused.weight, None, fused.weight]
     with torch.inference_mode():  # parameters made here have no version counter: the weight is used
         made_inside = FusedRMSNorm(64, 1e-6)
-        y = made_inside(x)
+        y_inside = made_inside(x)
         assert seen[-1] is made_inside.weight
-    assert torch.equal(y, LlamaRMSNorm(64, eps=1e-6)(x))
+    assert torch.equal(y_inside, LlamaRMSNorm(64, eps=1e-6)(x))
     hf = LlamaRMSNorm(64, eps=1e-6)
     with torch.no_grad():
         hf.weight.copy_(w)
