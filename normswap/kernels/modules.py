@@ -208,6 +208,23 @@ class FusedLayerNorm(_FusedNorm):
 
     kind = "layernorm"
 
+    def __init__(
+        self,
+        shape,
+        eps: float,
+        offset: float = 0.0,
+        cast_order: str = "fp32",
+        weight_name: str | None = "weight",
+        bias_name: str | None = "bias",
+        device=None,
+        dtype=None,
+        backend: str | None = None,
+        compute_dtype: str | None = None,
+    ) -> None:
+        super().__init__(
+            shape, eps, offset, cast_order, weight_name, bias_name, device, dtype, backend, compute_dtype
+        )
+
     def _native_ok(self, x: torch.Tensor) -> bool:
         """Whether this call is exactly ``nn.LayerNorm``'s: "fp32" order, no offset, ``(D,)`` parameters of
         ``x``'s dtype (half, bfloat16, float32), backend ``auto``, eager mode; on CUDA decode-sized calls
@@ -229,23 +246,6 @@ class FusedLayerNorm(_FusedNorm):
             (x.is_cpu or x.numel() <= ops.CUDA_TORCH_MAX)
             and (self.backend or ops._env_backend()) == "auto"
             and not torch.compiler.is_compiling()
-        )
-
-    def __init__(
-        self,
-        shape,
-        eps: float,
-        offset: float = 0.0,
-        cast_order: str = "fp32",
-        weight_name: str | None = "weight",
-        bias_name: str | None = "bias",
-        device=None,
-        dtype=None,
-        backend: str | None = None,
-        compute_dtype: str | None = None,
-    ) -> None:
-        super().__init__(
-            shape, eps, offset, cast_order, weight_name, bias_name, device, dtype, backend, compute_dtype
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
