@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# The GPU acceptance run of normswap, in one go, on a machine with one CUDA GPU (about 4 minutes on an H200):
+# The GPU acceptance run of normswap, in one go, on a machine with one CUDA GPU (about 4 minutes on an H200
+# with the earlier one-shape bench part; issue 13's bench part is estimated at 1-1.5 minutes more, unmeasured):
 #   tests     the CUDA tests: kernels (auto/triton/torch/compiled backends against the HF modules in three
 #             dtypes, the Triton residual variant) and devices (convert on the GPU equals the CPU run, bf16
 #             finds every norm, a model spread over CPU and GPU by accelerate), plus the meta-device guard;
 #   zoo       `normswap zoo --device cuda`: every tiny architecture converted on the GPU in float32 (TF32
 #             off), every row within 1e-5 of the unconverted model;
-#   bench     `normswap bench --device cuda --quick`: the kernel benchmark runs on CUDA (one shape);
+#   bench     `normswap bench --device cuda` on issue 13's shapes (16384x2048, 16384x4096, 8192x8192,
+#             32768x4096; bfloat16, float16, float32; torch and triton backends, torch.compile of the HF
+#             module, Liger-Kernel when importable) and decode sizes (1, 8, 128 rows, per call through the
+#             module): $OUT/bench/norm_kernels.md holds the issue's tables and the target verdicts, .json
+#             the numbers (estimated 60-90 s on an H200, not yet run; the limit is 180 s);
 #   llama     a random-weight ~1B Llama (bfloat16, norms re-randomized, benchmarks/gpu_models.py) saved to
 #             disk, then `normswap convert DIR --dtype bfloat16 --device cuda`: the bf16 check must pass;
 #   gemma3    the same for a Gemma-3-style model (1+w norms, sandwich and q/k norms);
@@ -17,6 +22,10 @@
 #
 # Needs python3 with a CUDA build of torch, triton, transformers, accelerate, click, tqdm, pytest
 # (matplotlib optional); no network: normswap runs from this checkout (PYTHONPATH), nothing is installed.
+# Liger-Kernel (an anchor of the bench part, never a dependency) is used when it imports, or from a wheel
+# in .whl/ of this checkout, unpacked into $OUT and put on PYTHONPATH for the bench only. Fetch it where
+# there is network: `pip download --no-deps liger-kernel==0.8.5 -d .whl` (pure Python, needs only
+# torch and triton).
 #
 #   OUT=/some/dir bash benchmarks/gpu_check.sh
 #   DEVICE=cpu SIZE=tiny ZOO_ONLY="llama gemma3_text" bash benchmarks/gpu_check.sh   # CPU dry run (tests, CI)
@@ -126,7 +135,16 @@ part() {
 if [ "${DEVICE%%:*}" = cuda ]; then
   part tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_device.py tests/test_device_guard.py \
     tests/test_kernels.py -k "cuda or triton or compiled or meta or device"
-  part bench 60 python3 -m normswap bench --device "$DEVICE" --quick --out "$OUT/bench"
+  LIGER_PATH=""
+  whl=$(ls .whl/liger_kernel*.whl 2>/dev/null | tail -n 1)
+  if [ -n "$whl" ] && python3 -m zipfile -e "$whl" "$OUT/liger" 2>/dev/null; then
+    LIGER_PATH="$PWD/$OUT/liger"
+    [[ "$OUT" = /* ]] && LIGER_PATH="$OUT/liger"
+  fi
+  part bench 180 env PYTHONPATH="$PYTHONPATH${LIGER_PATH:+:$LIGER_PATH}" python3 -m normswap bench \
+    --device "$DEVICE" --dtypes bfloat16,float16,float32 --shapes 16384x2048,16384x4096,8192x8192,32768x4096 \
+    --backends torch,triton --rounds 7 --out "$OUT/bench"
+  rm -rf "$OUT/liger"
 else
   echo "SKIP tests, bench: CUDA only (DEVICE=$DEVICE)" | tee -a "$OUT/summary.txt"
 fi

@@ -448,10 +448,13 @@ def zoo(output, only, device):
 @click.option("--model-rounds", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--model-copies", type=click.IntRange(min=1), default=2, show_default=True,
               help="Copies of the original and of the converted model to time.")  # fmt: skip
+@click.option("--shapes", default=None,
+              help="Kernel shapes ROWSxHIDDEN, comma-separated (default: 3 shapes, see docs).")  # fmt: skip
+@click.option("--no-decode", is_flag=True, help="Skip the per-call timing at decode sizes.")
 @click.option("--no-kernels", is_flag=True, help="Skip the kernel grid (with --model).")
 @click.option("--no-heap-reuse", is_flag=True, help="Keep glibc's mmap of large outputs.")
 def bench(out_dir, device, rounds, dtypes, backends, threads, quick, model, model_rounds, model_copies,
-          no_kernels, no_heap_reuse):  # fmt: skip
+          shapes, no_decode, no_kernels, no_heap_reuse):  # fmt: skip
     """Time normswap's norm kernels against HF eager norms, torch's norms and a same-size copy.
 
     Prints the median time of each as a ratio to the copy and as GB/s (docs/KERNELS.md explains the method).
@@ -460,10 +463,15 @@ def bench(out_dir, device, rounds, dtypes, backends, threads, quick, model, mode
 
     _quiet_transformers()
     try:
+        if shapes is not None:
+            shape_list = bench_lib.parse_shapes(shapes)
+        else:
+            shape_list = ((1024, 576),) if quick else bench_lib.SHAPES
         bench_lib.run(
             out_dir,
             device=device,
-            shapes=((1024, 576),) if quick else bench_lib.SHAPES,
+            shapes=shape_list,
+            decode=not no_decode,
             dtypes=dtypes.split(","),
             backends=[b for b in backends.split(",") if b] if backends is not None else None,
             rounds=3 if quick else rounds,

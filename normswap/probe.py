@@ -103,9 +103,15 @@ def _roles(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: torch.Tensor,
     for name, t in named:
         saved = t.data.clone()
         delta = torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device) * 0.25
-        t.data.add_(delta)
+        # In place on the tensor itself, not through ``.data``: its version counter moves, so a module that
+        # caches a property of its weight on it (FusedRMSNorm's identity test) sees the change. An inference
+        # tensor has no version counter (and such modules do not cache on it).
+        target = t.data if t.is_inference() else t
+        with torch.no_grad():
+            target.add_(delta)
         moved = _run(module, x)
-        t.data.copy_(saved)
+        with torch.no_grad():
+            target.copy_(saved)
         if moved is None:
             return None
         dy = moved - y

@@ -591,16 +591,22 @@ _TRITON_CHECK = textwrap.dedent(
         a = v.abs().to(dtype)
         return (torch.nextafter(a, a + float("inf")) - a).double()
 
+    # Every launch configuration of tn._config: packed short rows (96: 32 rows a program; per-head (4, 32):
+    # 64), one row with 4 warps (1000, masked to 1024), one row with 8 warps (2048); offsets 0 and 1.
+    CASES = (((3, 5, 96), (96,)), ((2, 3, 4, 32), (4, 32)), ((3, 1000), (1000,)), ((2, 2048), (2048,)))
+    configs = {tn._config(shape[-1])[1:] for shape, _ in CASES}
+    assert len(configs) == 4, configs
     g = torch.Generator().manual_seed(0)
     for xdt in (torch.float16, torch.float32, torch.bfloat16):
         for wdt in (xdt, torch.float32):
             for order in ("llama", "fp32"):
-                for shape, wshape in (((3, 5, 96), (96,)), ((2, 3, 4, 32), (4, 32))):
+                for k, (shape, wshape) in enumerate(CASES):
+                    offset = float(k % 2)
                     x = (torch.randn(shape, generator=g) * 3).to(xdt)
-                    w = (torch.rand(wshape, generator=g) + 0.5).to(wdt)
+                    w = (torch.rand(wshape, generator=g) + 0.5 - offset).to(wdt)
                     b = (torch.rand(wshape, generator=g) - 0.5).to(wdt)
                     r = (torch.randn(shape, generator=g) * 3).to(wdt)
-                    w, b = ref.prepare_params(w, b, 0.0, order)
+                    w, b = ref.prepare_params(w, b, offset, order)
                     pairs = [
                         (tn.rms_norm(x, w, 1e-6, order), ref.rms_norm_math(x, w, 1e-6, order)),
                         (tn.layer_norm(x, w, b, 1e-5, order), ref.layer_norm_math(x, w, b, 1e-5, order)),
@@ -608,8 +614,10 @@ _TRITON_CHECK = textwrap.dedent(
                     ]
                     y, h = tn.add_rms_norm(x, r, w, 1e-6, order)
                     pairs += [(h, x + r), (y, ref.rms_norm_math(x + r, w, 1e-6, order))]
+                    ln_b = ref.layer_norm_math(x, None, b, 1e-5, order)
+                    pairs.append((tn.layer_norm(x, None, b, 1e-5, order), ln_b))
                     for i, (out, want) in enumerate(pairs):
-                        case = (xdt, wdt, order, shape, i)
+                        case = (xdt, wdt, order, shape, offset, i)
                         assert out.dtype == want.dtype and out.shape == want.shape, (case, out.dtype)
                         d = (out.double() - want.double()).abs()
                         floor = 2.0**-20 * want.double().abs().max()
@@ -663,3 +671,207 @@ def test_cuda_backends_match_transformers_module(name, dtype):
     y, h = add_rms_norm(x, res, w, backend="triton")
     assert torch.equal(h, x + res)
     assert_ulp_close(y, rms_norm(x + res, w, backend="eager"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Identity weights: after folding most norms hold weight 1 (or 0 with offset 1); the module then drops the
+# weight (1 * v is exact in both cast orders) and ``auto`` runs torch's F.rms_norm.
+
+
+def _spy(monkeypatch, name="rms_norm_unchecked"):
+    """Record the weight argument of every call of ``ops.<name>`` the modules make."""
+    from normswap.kernels import ops
+
+    seen = []
+    real = getattr(ops, name)
+
+    def spy(x, weight, *args):
+        seen.append(weight)
+        return real(x, weight, *args)
+
+    monkeypatch.setattr(ops, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("model_type", ["llama", "gemma"])
+def test_identity_weight_is_dropped_exactly(monkeypatch, model_type, dtype):
+    """Identity weight (Llama's 1, Gemma's 0): the weight is dropped and the output equals the HF module bit
+    for bit, at decode and prefill sizes; after an in-place edit the weight is used again (and exact)."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    d = 256
+    hf = (LlamaRMSNorm(d, eps=1e-6) if model_type == "llama" else GemmaRMSNorm(d, eps=1e-6)).to(dtype)
+    hf.requires_grad_(False)
+    fused = _fused_for(hf).requires_grad_(False)
+    seen = _spy(monkeypatch)
+    for shape in ((1, 1, d), (2, 70, d)):  # CPU auto: torch below CPU_TORCH_RMS_MAX, eager above
+        x = hidden(shape, dtype)
+        assert torch.equal(fused(x), hf(x))
+    assert seen == [None, None]
+    with torch.no_grad():  # an in-place edit bumps the version counter: the cached answer is recomputed
+        hf.weight[3] += 0.5
+        fused.weight[3] += 0.5
+    x = hidden((2, 70, d), dtype)
+    assert torch.equal(fused(x), hf(x))
+    assert seen[-1] is fused.weight
+    with torch.no_grad():  # back to the identity
+        fused.weight[3] -= 0.5
+    fused(x)
+    assert seen[-1] is None
+
+
+def test_identity_cache_follows_the_parameter(monkeypatch):
+    """A new tensor (``.data =``, ``.to()``) changes the pointer; ``load_state_dict`` bumps the version;
+    ``.data`` edits need ``reset_identity_cache``; a weight that needs gradients is always passed."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    fused = FusedRMSNorm(64, 1e-6)
+    seen = _spy(monkeypatch)
+    x = hidden((3, 64), torch.bfloat16)
+    w = noise(64, 1.0)
+    with torch.no_grad():
+        fused(x)
+        fused.weight.data = w.clone()
+        fused(x)
+        fused.load_state_dict({"weight": torch.ones(64)})
+        fused(x)
+        fused.weight.data.copy_(w)  # invisible to the version counter
+        fused.reset_identity_cache()
+        y = fused(x)
+    assert seen == [None, fused.weight, None, fused.weight]
+    with torch.inference_mode():  # parameters made here have no version counter: the weight is used
+        made_inside = FusedRMSNorm(64, 1e-6)
+        y_inside = made_inside(x)
+        assert seen[-1] is made_inside.weight
+    assert torch.equal(y_inside, LlamaRMSNorm(64, eps=1e-6)(x))
+    hf = LlamaRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    assert torch.equal(y, hf(x))
+
+    one, hf_one = FusedRMSNorm(64, 1e-6), LlamaRMSNorm(64, eps=1e-6)  # training: gradients reach the weight
+    xg = hidden((3, 64), torch.float32)
+    one(xg).square().sum().backward()
+    hf_one(xg).square().sum().backward()
+    assert seen[-1] is one.weight
+    torch.testing.assert_close(one.weight.grad, hf_one.weight.grad, rtol=0, atol=0)
+
+
+def test_identity_mixed_dtypes_and_layer_norm(monkeypatch):
+    """Llama order promotes to the weight's dtype also when the weight is dropped (case C3); LayerNorm (fp32
+    order with a bias) never drops its parameters."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(64, eps=1e-6).requires_grad_(False)  # float32 weight 1
+    fused = _fused_for(hf).requires_grad_(False)
+    x = hidden((2, 5, 64), torch.bfloat16)
+    out = fused(x)
+    assert out.dtype == torch.float32 and torch.equal(out, hf(x))
+
+    seen = _spy(monkeypatch, "layer_norm_unchecked")
+    ln = FusedLayerNorm(64, 1e-5).requires_grad_(False)  # identity weight, zero bias
+    ref_ln = nn.LayerNorm(64, eps=1e-5).requires_grad_(False)
+    assert torch.equal(ln(x), ref_ln(x))
+    assert seen == [ln.weight]
+
+
+def test_auto_routing_decisions():
+    """``auto``: weight-free RMSNorm -> torch; CPU RMSNorm by size; CUDA decode-sized calls -> torch."""
+    from types import SimpleNamespace
+
+    from normswap.kernels.ops import CPU_TORCH_RMS_MAX, CUDA_TORCH_MAX, _pick
+
+    w = torch.ones(64)
+    small, large = torch.zeros(2, 64), torch.zeros(CPU_TORCH_RMS_MAX // 64 + 1, 64)
+    assert _pick("rms", "auto", large, None) == "torch"
+    assert _pick("rms", "auto", small, w) == "torch"
+    assert _pick("rms", "auto", large, w) == "eager"
+    assert _pick("layer", "auto", large, w, w) == "torch"
+    assert _pick("rms", "eager", small, None) == "eager"  # a forced backend is kept
+    cuda = SimpleNamespace(is_cuda=True, is_cpu=False, numel=lambda: CUDA_TORCH_MAX)
+    assert _pick("rms", "auto", cuda, w) == "torch" and _pick("layer", "auto", cuda, w, w) == "torch"
+
+
+@pytest.mark.compile
+def test_compiled_static_cache_generate_same_tokens(tiny_model):
+    """A converted tiny Llama (norm weights re-randomized, then folded: identity weights in the fused norms)
+    under transformers' compiled decoding (static cache, fullgraph) and under ``torch.compile(model)``:
+    no graph break and the same greedy tokens as the unconverted model run the same way."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    from normswap.convert import convert
+
+    def randomize(model):
+        with torch.no_grad():
+            for i, (name, p) in enumerate(model.named_parameters()):
+                if "norm" in name:
+                    p.copy_(noise(p.shape, 1.0, seed=i))
+        return model
+
+    original = randomize(tiny_model("llama")).eval()
+    converted = randomize(tiny_model("llama")).eval()
+    convert(converted)
+    assert sum(isinstance(m, FusedRMSNorm) for m in converted.modules()) == 5
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    tokens = {}
+    for label, model in (("original", original), ("converted", converted)):
+        # Dynamo's own backend keeps the test to graph capture (no inductor codegen on a 2-core CPU);
+        # _compile_all_devices makes generate compile on the CPU as it does on CUDA.
+        model.generation_config.compile_config = CompileConfig(fullgraph=True, backend="eager")
+        model.generation_config.compile_config._compile_all_devices = True
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=6, do_sample=False, cache_implementation="static", pad_token_id=0
+            )
+        assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], label
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        with torch.no_grad():
+            logits = compiled(ids).logits
+        assert not counters["graph_break"], label
+        tokens[label] = (out, logits.argmax(-1))
+    assert torch.equal(tokens["converted"][0], tokens["original"][0])
+    assert torch.equal(tokens["converted"][1], tokens["original"][1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_cuda_triton_configs_and_identity_route(dtype):
+    """On a GPU: the triton kernel in every launch configuration (packed short rows, per-head, one row with
+    4/8/16 warps) and both cast orders against the eager reference, <= 1 ulp on under 0.1% of the elements;
+    an identity-weight module (torch's F.rms_norm) against the HF module, same bound (issue 13)."""
+    pytest.importorskip("triton")
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    cases = (((64, 96), (96,)), ((16, 8, 128), (8, 128)), ((512, 1000), (1000,)), ((512, 2048), (2048,)))
+    cases += (((4096, 4096), (4096,)), ((300, 8192), (8192,)))
+    for shape, wshape in cases:
+        x = hidden(shape, dtype).cuda()
+        for order, offset in (("llama", 0.0), ("fp32", 1.0)):
+            w = (noise(wshape, 1.0 - offset, dtype=dtype)).cuda()
+            b = noise(wshape, 0.0, seed=3, dtype=dtype).cuda()
+            got = rms_norm(x, w, 1e-6, offset, order, backend="triton")
+            assert_ulp_close(got, rms_norm(x, w, 1e-6, offset, order, backend="eager"), max_frac=0.001)
+            got = layer_norm(x, w, b, 1e-5, offset, order, backend="triton")
+            want = layer_norm(x, w, b, 1e-5, offset, order, backend="eager")
+            # An output near zero is a cancellation of w * n against b: one ulp of w * n (the float32
+            # summation order moves n by an ulp of its own) is then many ulps of the output, so the bound
+            # is two ulps (n, then w * n in llama order) at the magnitude before the bias, plus the final one.
+            diff = (got.double() - want.double()).abs()
+            bound = ulp(want) + 2 * ulp((want.double() - b.double()).abs().to(dtype))
+            assert (diff <= bound).all(), (shape, order)
+            assert (diff > 0).double().mean().item() <= 0.001, (shape, order)
+    for rows in (1, 8, 128, 16384):
+        x = hidden((rows, 4096), dtype).cuda()
+        for hf in (LlamaRMSNorm(4096, eps=1e-6), GemmaRMSNorm(4096, eps=1e-6)):
+            hf = hf.to("cuda", dtype).requires_grad_(False)
+            fused = _fused_for(hf).cuda().requires_grad_(False)
+            assert fused._identity_weight(fused.weight)
+            assert_ulp_close(fused(x), hf(x), max_frac=0.001)

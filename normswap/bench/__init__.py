@@ -2,6 +2,7 @@
 
 * ``kernels.py``: the kernel grid, normswap's ops against HF eager modules, torch's norms, a same-size
   copy (the memory roofline) and two compiled floor kernels; CPU and CUDA timing.
+* ``decode.py``: per-call cost of whole modules at decode sizes (1-128 rows), side by side.
 * ``model.py``: prefill and cached decode of a model, original vs converted, several copies of each.
 * ``report.py``: machine info, tables, verdicts against the kernel targets, JSON and PNG.
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from normswap.bench.decode import bench_decode, decode_targets, format_decode_table
 from normswap.bench.kernels import (
     CUDA_CALLS,
     DTYPES,
@@ -47,17 +49,36 @@ __all__ = [
     "FLOOR_ONE_PASS",
     "FLOOR_READ",
     "SHAPES",
+    "bench_decode",
     "bench_kernels",
     "bench_model",
     "check_targets",
+    "decode_targets",
     "default_backends",
+    "format_decode_table",
     "format_model_table",
     "format_table",
     "machine_info",
+    "parse_shapes",
     "reuse_heap",
     "run",
     "write_results",
 ]
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """``"16384x2048,8192x4096"`` -> ``((16384, 2048), (8192, 4096))``.
+
+    Raises:
+        ValueError: an item that is not ``ROWSxHIDDEN`` with positive integers.
+    """
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"shape {item.strip()!r} is not ROWSxHIDDEN (positive ints, e.g. 16384x2048)")
+        shapes.append((int(parts[0]), int(parts[1])))
+    return tuple(shapes)
 
 
 def run(
@@ -71,6 +92,7 @@ def run(
     heap_reuse: bool = True,
     threads: int | None = None,
     kernels: bool = True,
+    decode: bool = True,
     model: str | None = None,
     model_rounds: int = 5,
     model_copies: int = 2,
@@ -78,8 +100,9 @@ def run(
 ) -> tuple[list[dict], list[dict], list[Path]]:
     """The whole benchmark, as ``benchmarks/bench_norms.py`` and ``normswap bench`` run it.
 
-    Times the kernel grid (``bench_kernels``) unless ``kernels`` is False and, with ``model``, the model
-    level (``bench_model``); logs progress and the markdown tables through ``log``; writes the results
+    Times the kernel grid (``bench_kernels``) and the per-call cost at decode sizes (``bench_decode``)
+    unless ``kernels`` / ``decode`` is False and, with ``model``, the model level (``bench_model``); logs
+    progress and the markdown tables through ``log``; writes the results
     into ``out_dir`` (``write_results``).
 
     Returns:
@@ -113,11 +136,21 @@ def run(
     if threads is not None:
         torch.set_num_threads(threads)
     heap = reuse_heap() if heap_reuse else False
-    rows, model_rows = [], []
+    rows, model_rows, decode_rows = [], [], []
     if kernels:
         rows = bench_kernels(shapes, dtypes, backends, rounds, device, log=log)
         log(format_table(rows))
         for line in check_targets(rows, device):
+            log(f"target {line}")
+    if kernels and decode:
+        decode_rows = bench_decode(
+            dtypes=dtypes,
+            backends=backends or default_backends(torch.device(device)),
+            rounds=2 * rounds,
+            device=device,
+        )
+        log(format_decode_table(decode_rows))
+        for line in decode_targets(decode_rows, device):
             log(f"target {line}")
     if model:
         model_rows = bench_model(model, rounds=model_rounds, copies=model_copies, log=log)
@@ -129,7 +162,7 @@ def run(
         "model_rounds": model_rounds if model else None,
         "model_copies": model_copies if model else None,
     }
-    paths = write_results(rows, out_dir, info, model_rows)
+    paths = write_results(rows, out_dir, info, model_rows, decode_rows)
     for path in paths:
         log(f"wrote {path}")
     return rows, model_rows, paths

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from normswap.kernels import layer_norm, rms_norm
+from normswap.kernels import FusedRMSNorm, layer_norm, rms_norm
 
 SHAPES = ((4096, 576), (16384, 2048), (8192, 4096))
 DTYPES = ("float32", "bfloat16")
@@ -84,6 +84,21 @@ def _candidates(x: torch.Tensor, backends: list[str]) -> dict[str, tuple[Callabl
         hf_ln: (lambda: ln(x), io, None),
         "F.rms_norm": (lambda: torch.nn.functional.rms_norm(x, (d,), w, 1e-6), io, hf_llama),
     }
+    # Identity weights (most norms of a folded model): the module drops the weight (modules.py).
+    one = LlamaRMSNorm(d, eps=1e-6).to(dev, dt)
+    fused_one = FusedRMSNorm(d, 1e-6, device=dev, dtype=dt)
+    c[HF_ONE] = (lambda: one(x), io, None)
+    c["F.rms_norm, no weight"] = (lambda: torch.nn.functional.rms_norm(x, (d,), None, 1e-6), io, HF_ONE)
+    c["normswap FusedRMSNorm weight 1 [auto]"] = (lambda: fused_one(x), io, HF_ONE)
+    if dev.type == "cuda" or "compiled" in backends:
+        # torch.compile of the HF module as users would write it (dynamo's defaults, no precision flags).
+        # One compile per dtype and shape kind: raise dynamo's recompile limit (8) so that a grid of many
+        # shapes and dtypes never falls back to eager silently (this process only benchmarks).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        llama_c = torch.compile(llama)
+        c["torch.compile(HF LlamaRMSNorm)"] = (lambda: llama_c(x), io, hf_llama)
+    for name, (fn, ref) in _liger(x, w, b).items():
+        c[name] = (fn, io, {"llama": hf_llama, "layer": hf_ln}[ref])
     for be in backends:
         c[f"normswap rms_norm llama [{be}]"] = (lambda be=be: rms_norm(x, w, 1e-6, backend=be), io, hf_llama)
         c[f"normswap rms_norm gemma [{be}]"] = (
@@ -100,6 +115,44 @@ def _candidates(x: torch.Tensor, backends: list[str]) -> dict[str, tuple[Callabl
         c[FLOOR_ONE_PASS] = (lambda: scale(x, w), io, None)
         c[FLOOR_READ] = (lambda: sum_sq(x), io // 2, None)
     return c
+
+
+HF_ONE = "HF LlamaRMSNorm, weight 1"
+
+
+def liger_available() -> bool:
+    """Whether Liger-Kernel imports (an optional anchor: ``pip install liger-kernel``, never a dependency)."""
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except Exception:  # absent, or broken against this torch/triton: the benchmark runs without it
+        return False
+    return True
+
+
+def _liger(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> dict[str, tuple[Callable, str]]:
+    """Liger-Kernel's RMSNorm (llama casting) and LayerNorm with the benchmark's parameters, on CUDA when
+    importable: name -> (zero-arg callable, "llama" or "layer", the HF module each reproduces)."""
+    if x.device.type != "cuda" or not liger_available():
+        return {}
+    from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
+
+    d = x.shape[-1]
+    out = {}
+    try:
+        rms = LigerRMSNorm(d, eps=1e-6, casting_mode="llama").to(x.device, x.dtype).requires_grad_(False)
+        rms.weight.copy_(w)
+        out["Liger RMSNorm"] = (lambda: rms(x), "llama")
+    except Exception:  # another Liger version's signature
+        pass
+    try:
+        ln = LigerLayerNorm(d, eps=1e-5).to(x.device, x.dtype).requires_grad_(False)
+        ln.weight.copy_(w)
+        if getattr(ln, "bias", None) is not None:
+            ln.bias.copy_(b)
+            out["Liger LayerNorm"] = (lambda: ln(x), "layer")
+    except Exception:
+        pass
+    return out
 
 
 # Two compiled reference kernels, timed beside the norms when the compiled backend is: a norm's second

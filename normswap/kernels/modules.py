@@ -7,10 +7,13 @@ keys do not change, and reproduces its cast order and output dtype (see ``refere
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from normswap.kernels import ops
-from normswap.kernels.reference import CAST_ORDERS
+from normswap.kernels.reference import CAST_ORDERS, prepare_params
+
+_NATIVE_LN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class _FusedNorm(nn.Module):
@@ -55,6 +58,8 @@ class _FusedNorm(nn.Module):
             self.register_parameter(weight_name, nn.Parameter(torch.empty(shape, **factory)))
         if bias_name is not None:
             self.register_parameter(bias_name, nn.Parameter(torch.empty(shape, **factory)))
+        self._identity_key: tuple | None = None  # see _identity_weight
+        self._identity = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -69,6 +74,32 @@ class _FusedNorm(nn.Module):
         w = getattr(self, self.weight_name) if self.weight_name is not None else None
         b = getattr(self, self.bias_name) if self.bias_name is not None else None
         return w, b
+
+    def _identity_weight(self, w: torch.Tensor) -> bool:
+        """Whether ``offset + w`` is exactly 1 everywhere (in the dtype the cast order multiplies in), so
+        the norm may drop its weight: ``1 * v`` is exact in both cast orders.
+
+        Decided once per state of the weight and cached under ``(w._version, w.data_ptr(), dtype,
+        device)``: every in-place edit (an optimizer step, ``load_state_dict``, ``fill_`` under no_grad)
+        bumps the version counter and ``.to()``/``module.weight = ...`` change the pointer, so the answer
+        is recomputed (one reduction and, on CUDA, one synchronization) after a change and costs one tuple
+        comparison otherwise. Edits through ``weight.data`` bypass the version counter: after those, call
+        ``reset_identity_cache()``. Inference tensors (parameters made under ``torch.inference_mode``) have
+        no version counter: for them the answer is always False (the weight is used).
+        """
+        if w.is_inference():
+            return False
+        key = (w._version, w.data_ptr(), w.dtype, w.device)
+        if key != self._identity_key:
+            eff, _ = prepare_params(w, None, self.offset, self.cast_order)
+            with torch.no_grad():
+                self._identity = bool((eff == 1).all())
+            self._identity_key = key
+        return self._identity
+
+    def reset_identity_cache(self) -> None:
+        """Forget whether the weight is the identity (needed only after edits through ``weight.data``)."""
+        self._identity_key = None
 
     def _precision(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None):
         """``(x, w, b, back)`` as the op should see them: for a float64 input of a module that computes in
@@ -138,8 +169,25 @@ class FusedRMSNorm(_FusedNorm):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, w, _, back = self._precision(x, *self._params())
-        y = ops.rms_norm_unchecked(x, w, self.eps, self.offset, self.cast_order, self.backend)
+        w = self._parameters.get(self.weight_name) if self.weight_name is not None else None
+        if w is None and self.weight_name is not None:  # replaced by a plain tensor or buffer
+            w = getattr(self, self.weight_name)
+        back = None
+        if self.compute_dtype is not None and x.dtype == torch.float64:
+            x, w, _, back = self._precision(x, w, None)
+        if (
+            w is not None
+            and not (w.requires_grad and torch.is_grad_enabled())  # autograd needs the weight
+            and not torch.compiler.is_compiling()  # the compiler sees the weight (no data-dependent branch)
+            and self._identity_weight(w)
+        ):
+            # Folded models hold weight 1 (or 0 with offset 1) in most norms: the weight-free norm is the
+            # same numbers (1 * v is exact) and runs torch's fused kernel under "auto" (ops._pick).
+            y = ops.rms_norm_unchecked(x, None, self.eps, 0.0, self.cast_order, self.backend)
+            if self.cast_order == "llama" and w.dtype != y.dtype:
+                y = y.to(torch.promote_types(y.dtype, w.dtype))
+        else:
+            y = ops.rms_norm_unchecked(x, w, self.eps, self.offset, self.cast_order, self.backend)
         return y if back is None else y.to(back)
 
 
@@ -177,7 +225,37 @@ class FusedLayerNorm(_FusedNorm):
             shape, eps, offset, cast_order, weight_name, bias_name, device, dtype, backend, compute_dtype
         )
 
+    def _native_ok(self, x: torch.Tensor) -> bool:
+        """Whether this call is exactly ``nn.LayerNorm``'s: "fp32" order, no offset, ``(D,)`` parameters of
+        ``x``'s dtype (half, bfloat16, float32), backend ``auto``, eager mode; on CUDA decode-sized calls
+        only (``ops.CUDA_TORCH_MAX``; larger ones go to triton)."""
+        if self.cast_order != "fp32" or self.offset != 0.0 or len(self.shape) != 1:
+            return False
+        if self.weight_name is None:
+            return False
+        p = self._parameters
+        w = p.get(self.weight_name)
+        dt = x.dtype
+        if w is None or w.dtype != dt or dt not in _NATIVE_LN_DTYPES:
+            return False
+        if self.bias_name is not None:
+            b = p.get(self.bias_name)
+            if b is None or b.dtype != dt:
+                return False
+        return (
+            (x.is_cpu or x.numel() <= ops.CUDA_TORCH_MAX)
+            and (self.backend or ops._env_backend()) == "auto"
+            and not torch.compiler.is_compiling()
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, w, b, back = self._precision(x, *self._params())
+        if self._native_ok(x):
+            # nn.LayerNorm's own call (the same kernel on the same arguments, so bit-identical to it)
+            # without the op layer's per-call work: a decode-sized CPU call costs ~5 us, the op path ~11 us.
+            p = self._parameters
+            b = p[self.bias_name] if self.bias_name is not None else None
+            return F.layer_norm(x, self.normalized_shape, p[self.weight_name], b, self.eps)
+        w, b = self._params()
+        x, w, b, back = self._precision(x, w, b)
         y = ops.layer_norm_unchecked(x, w, b, self.eps, self.offset, self.cast_order, self.backend)
         return y if back is None else y.to(back)

@@ -3,10 +3,12 @@
 Backends (``backend=`` argument, the module's ``backend`` attribute, or the ``NORMSWAP_BACKEND``
 environment variable, read once per process, in that order of precedence):
 
-* ``"auto"`` (default): CUDA -> ``"triton"`` when triton is installed and the dtypes are half, bfloat16 or
-  float32, else ``"torch"``; CPU -> ``"torch"`` for LayerNorm (torch's fused kernel, already near the copy
-  bound) and ``"eager"`` for RMSNorm (torch has no fused CPU RMSNorm; compiling costs seconds, so it is
-  opt-in).
+* ``"auto"`` (default): RMSNorm without a weight (the modules drop an identity weight) -> ``"torch"``
+  (``F.rms_norm``: one rounding, exact in both cast orders). CUDA -> ``"torch"`` for calls of at most
+  ``CUDA_TORCH_MAX`` elements (decode), else ``"triton"`` when triton is installed and the dtypes are half,
+  bfloat16 or float32, else ``"torch"``. CPU -> ``"torch"`` for LayerNorm (torch's fused kernel) and for
+  RMSNorm calls of at most ``CPU_TORCH_RMS_MAX`` elements, ``"eager"`` for larger RMSNorm calls (compiling
+  costs seconds, so it is opt-in).
 * ``"eager"``: ``reference.py``, the op sequence of the HF modules.
 * ``"torch"``: torch's own ``F.layer_norm`` / ``F.rms_norm``.
 * ``"compiled"``: ``torch.compile`` of the reference (``compiled.py``), any device.
@@ -35,6 +37,13 @@ BACKENDS = ("auto", "eager", "torch", "compiled", "triton")
 ENV_VAR = "NORMSWAP_BACKEND"
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TRITON_MAX_D = 65536  # triton_norm.MAX_D, kept here so the check does not import triton
+# On the CPU, auto runs RMSNorm calls of at most this many elements (decode steps) through torch's
+# F.rms_norm (llama order: then ``w * y``): ~2 us less per call than the eager op sequence, bit-identical.
+CPU_TORCH_RMS_MAX = 16384
+# On CUDA, auto runs calls of at most this many elements (decode steps, up to 128 x 8192) through torch's
+# kernels, two or three launches of ~10 us each: on the H200 of issue 13 a triton call cost 53-156 us at
+# these sizes (its Python launch path), F.rms_norm 18-21 us. `normswap bench --device cuda` times both.
+CUDA_TORCH_MAX = 1 << 20
 
 
 # $NORMSWAP_BACKEND, read once per process at the first call that needs it: a lookup of an unset variable
@@ -93,10 +102,19 @@ def _triton_reason(x: torch.Tensor, *params: torch.Tensor | None) -> str | None:
 def _pick(op: str, backend: str, x: torch.Tensor, *params: torch.Tensor | None) -> str:
     """Concrete backend for one call of ``op`` ("rms" or "layer")."""
     if backend == "auto":
+        if op == "rms" and all(p is None for p in params):
+            # A norm without weight (also an identity weight, which the modules drop): torch's kernel
+            # normalizes in float32 and rounds once, which is both cast orders here; fused on CUDA, and
+            # on the CPU as fast as the eager math at large sizes and faster per decode call (measured).
+            return "torch"
         if x.is_cuda:
+            if x.numel() <= CUDA_TORCH_MAX:
+                return "torch"
             return "triton" if _triton_reason(x, *params) is None else "torch"
         if op == "rms" and x.is_cpu:
-            return "eager"
+            # F.rms_norm then ``w * y`` is two ops instead of HF's eight: cheaper per decode call,
+            # bit-identical on the CPU (measured), no faster at large sizes.
+            return "torch" if x.numel() <= CPU_TORCH_RMS_MAX else "eager"
         return "torch"
     if backend == "triton":
         reason = _triton_reason(x, *params)

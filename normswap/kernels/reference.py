@@ -176,8 +176,9 @@ def layer_norm_torch(
 def rms_norm_torch(x: torch.Tensor, w: torch.Tensor | None, eps: float, cast_order: str) -> torch.Tensor:
     """RMSNorm through ``F.rms_norm`` (a fused kernel on CUDA, composite on CPU)."""
     d = x.shape[-1]
-    if cast_order == "llama":
-        # F.rms_norm of a low-precision input normalizes in float32 and rounds once: n.to(x.dtype).
+    if cast_order == "llama" or w is None:
+        # F.rms_norm of a low-precision input normalizes in float32 and rounds once: n.to(x.dtype), which
+        # is also the whole "fp32" order without a weight.
         y = F.rms_norm(x, (d,), None, eps)
         return y if w is None else w * y
     cdt = compute_dtype(x.dtype)

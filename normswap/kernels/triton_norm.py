@@ -19,6 +19,8 @@ module is imported; CPU tensors), which ``tests/test_kernels.py`` does when trit
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -46,12 +48,14 @@ def _norm_kernel(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     HAS_RES: tl.constexpr,
+    PER_HEAD: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
-    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    col_ok = cols < D
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
 
     x = tl.load(X + offs, mask=mask, other=0.0)
@@ -82,22 +86,82 @@ def _norm_kernel(
             n = n.to(X.dtype.element_ty).to(tl.float32)
     y = n
     if HAS_W:
-        w_offs = (rows % W_ROWS).to(tl.int64)[:, None] * D + cols[None, :]
-        y = y * tl.load(W + w_offs, mask=mask, other=0.0).to(tl.float32)
+        if PER_HEAD:  # (H, D) weight: row r of x meets weight row r % H
+            w_offs = (rows % W_ROWS).to(tl.int64)[:, None] * D + cols[None, :]
+            y = y * tl.load(W + w_offs, mask=mask, other=0.0).to(tl.float32)
+        else:  # (D,) weight: loaded once per program, broadcast over its rows
+            y = y * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
         if LLAMA and HAS_W:
             y = y.to(Y.dtype.element_ty).to(tl.float32)
-        b_offs = (rows % B_ROWS).to(tl.int64)[:, None] * D + cols[None, :]
-        y = y + tl.load(B + b_offs, mask=mask, other=0.0).to(tl.float32)
+        if PER_HEAD:
+            b_offs = (rows % B_ROWS).to(tl.int64)[:, None] * D + cols[None, :]
+            y = y + tl.load(B + b_offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            y = y + tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
+# Rows of at least this many (padded) columns get one program each; shorter rows (q/k norms' head dims,
+# small models) are packed several to a program so that each program still moves a useful tile.
+_ONE_ROW_BLOCK = 1024
+_TILE = 2048  # elements per program when packing short rows
+
+
 def _config(d: int) -> tuple[int, int, int]:
-    """(BLOCK_D, ROWS per program, num_warps) for rows of ``d`` elements."""
+    """(BLOCK_D, ROWS per program, num_warps) for rows of ``d`` elements.
+
+    ``BLOCK_D`` is the power of two covering the row (masked beyond ``d``), so each thread holds whole
+    16-byte vectors. One row per program from ``_ONE_ROW_BLOCK`` columns on, with warps growing with the
+    row (8 from 2048 columns, 16 from 8192, 32 from 32768: 8-16 elements per thread, the thresholds of
+    Liger-Kernel's ``calculate_settings``); shorter rows are packed ``_TILE // BLOCK_D`` to a program
+    (at most 64) with 4 warps.
+    """
     block = triton.next_power_of_2(d)
-    rows = max(1, min(16, 4096 // block))
-    warps = 4 if block * rows <= 4096 else 8 if block <= 8192 else 16
-    return block, rows, warps
+    if block >= _ONE_ROW_BLOCK:
+        warps = 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+        return block, 1, warps
+    return block, max(1, min(64, _TILE // block)), 4
+
+
+# Launch metadata per (row length, dtypes, parameter shapes, flags): output dtypes, rows per program and
+# the kernel's constant arguments, so a repeated call (every decode step) computes only the grid and
+# launches. Bounded by the distinct norm configurations of the models in a process.
+_LAUNCH_CACHE: dict[tuple, tuple] = {}
+
+
+def _plan(
+    d: int,
+    x_dtype: torch.dtype,
+    r_dtype: torch.dtype | None,
+    w_shape: tuple | None,
+    w_dtype: torch.dtype | None,
+    b_shape: tuple | None,
+    b_dtype: torch.dtype | None,
+    cast_order: str,
+    is_rms: bool,
+) -> tuple:
+    key = (d, x_dtype, r_dtype, w_shape, w_dtype, b_shape, b_dtype, cast_order, is_rms)
+    plan = _LAUNCH_CACHE.get(key)
+    if plan is None:
+        hdt = x_dtype if r_dtype is None else torch.promote_types(x_dtype, r_dtype)
+        ydt = output_dtype(hdt, w_dtype, b_dtype, cast_order)
+        block, rows, warps = _config(d)
+        w_rows = 1 if w_shape is None else math.prod(w_shape) // d
+        b_rows = 1 if b_shape is None else math.prod(b_shape) // d
+        meta = {
+            "IS_RMS": is_rms,
+            "LLAMA": cast_order == "llama",
+            "HAS_W": w_shape is not None,
+            "HAS_B": b_shape is not None,
+            "HAS_RES": r_dtype is not None,
+            "PER_HEAD": w_rows > 1 or b_rows > 1,
+            "ROWS": rows,
+            "BLOCK_D": block,
+            "num_warps": warps,
+        }
+        plan = _LAUNCH_CACHE[key] = (hdt, ydt, rows, w_rows, b_rows, meta)
+    return plan
 
 
 def _launch(
@@ -113,19 +177,25 @@ def _launch(
     if d > MAX_D:
         raise ValueError(f"triton norm supports rows of at most {MAX_D} elements, got {d}")
     x = x.contiguous()
-    hdt = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    wdt = None if w is None else w.dtype
-    bdt = None if b is None else b.dtype
-    y = torch.empty(x.shape, dtype=output_dtype(hdt, wdt, bdt, cast_order), device=x.device)
-    h = None if residual is None else torch.empty(x.shape, dtype=hdt, device=x.device)
     n_rows = x.numel() // d if d else 0
+    hdt, ydt, rows, w_rows, b_rows, meta = _plan(
+        d,
+        x.dtype,
+        None if residual is None else residual.dtype,
+        None if w is None else tuple(w.shape),
+        None if w is None else w.dtype,
+        None if b is None else tuple(b.shape),
+        None if b is None else b.dtype,
+        cast_order,
+        is_rms,
+    )
+    y = torch.empty(x.shape, dtype=ydt, device=x.device)
+    h = None if residual is None else torch.empty(x.shape, dtype=hdt, device=x.device)
     if n_rows == 0:
         return y, h
     w_c = None if w is None else w.contiguous()
     b_c = None if b is None else b.contiguous()
-    block, rows, warps = _config(d)
-    grid = (triton.cdiv(n_rows, rows),)
-    _norm_kernel[grid](
+    _norm_kernel[(triton.cdiv(n_rows, rows),)](
         x,
         x if residual is None else residual.contiguous(),
         x if w_c is None else w_c,
@@ -134,17 +204,10 @@ def _launch(
         y if h is None else h,
         n_rows,
         d,
-        1 if w_c is None else w_c.numel() // d,
-        1 if b_c is None else b_c.numel() // d,
+        w_rows,
+        b_rows,
         eps,
-        IS_RMS=is_rms,
-        LLAMA=cast_order == "llama",
-        HAS_W=w_c is not None,
-        HAS_B=b_c is not None,
-        HAS_RES=residual is not None,
-        ROWS=rows,
-        BLOCK_D=block,
-        num_warps=warps,
+        **meta,
     )
     return y, h
 
