@@ -73,9 +73,15 @@ def convert_both(src: Path, tmp_path: Path, *extra) -> tuple[Path, Path]:
     return memory, streamed
 
 
-@pytest.mark.parametrize(
-    "name", ["llama", "llama-tied", "gemma-tied", "gemma2", "qwen3", "phi3", "gpt2", "falcon-new", "olmo2"]
-)
+# Four rows cover the kinds (tied lm_head, (1+w) sandwich norms, Conv1D, matmul on a derived weight) in
+# every run; the other five are marked ``slow`` (deselected by default: `python -m pytest -m slow`).
+_SLOW = pytest.mark.slow
+STREAM_ROWS = ["llama-tied", "gemma2", "gpt2", "falcon-new"] + [
+    pytest.param(name, marks=_SLOW) for name in ("llama", "gemma-tied", "qwen3", "phi3", "olmo2")
+]
+
+
+@pytest.mark.parametrize("name", STREAM_ROWS)
 def test_streamed_equals_in_memory(name, tokenizer, tmp_path):
     """Tied (untied into lm_head), (1+w) and sandwich norms, Conv1D, MoE experts: bit-identical shards."""
     from normswap.zoo import ZOO
