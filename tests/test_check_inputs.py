@@ -49,6 +49,8 @@ def gpt2_pair(tmp_path_factory):
     [
         (["--tokens", "65"], "--tokens 65 exceeds"),
         (["--tokens", "60", "--greedy", "10"], "--tokens 60 + --greedy 10 exceeds"),
+        # without --tokens only what was asked for is named (the default shrank to the 2-token minimum)
+        (["--greedy", "63"], "--greedy 63 (plus at least 2 tokens to compare) exceeds"),
     ],
 )
 def test_check_past_the_position_limit_is_bad_input(gpt2_pair, args, what):

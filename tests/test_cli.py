@@ -142,6 +142,20 @@ def test_output_inside_input(tiny_model, tmp_path):
     assert {p.name: digest(p) for p in model_dir.iterdir()} == before
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_output_that_cannot_be_created_fails_before_loading(tiny_gguf, monkeypatch):
+    """Permission bits pass for root and for /proc: the folder is tried for real, before any load."""
+    from normswap import io
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output was checked")
+
+    monkeypatch.setattr(io, "load_model", no_load)
+    result = run("convert", tiny_gguf, "--output", "/proc/normswap-no-such-dir/out")
+    assert_bad_input(result, "cannot create /proc/normswap-no-such-dir")
+    assert not Path("/proc/normswap-no-such-dir").exists()
+
+
 def test_unwritable_report_fails_before_any_work(tiny_gguf, tmp_path):
     result = run("convert", tiny_gguf, "--output", tmp_path / "out", "--report", tmp_path / "no" / "r.json")
     assert_bad_input(result, "does not exist")

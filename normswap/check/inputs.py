@@ -78,9 +78,11 @@ def command_input_ids(source, model_config, tokenizer, tokens: int | None, *, re
     from normswap.check.text import default_input_ids
 
     extra, option = reserve
-    if tokens is None:
+    if tokens is None:  # the default: only the reserve was asked for, so only it is named in a refusal
         tokens = default_tokens(model_config, extra)
-    what = f"--tokens {tokens}" + (f" + {option} {extra}" if extra else "")
+        what = f"{option} {extra} (plus at least {tokens} tokens to compare)" if extra else f"{tokens} tokens"
+    else:
+        what = f"--tokens {tokens}" + (f" + {option} {extra}" if extra else "")
     check_positions(tokens + extra, what, {source: model_config})
     if tokenizer is None:  # a checkpoint without tokenizer files: ids drawn from its vocabulary
         from normswap.check.text import VOCABULARY_SEED, vocabulary_ids

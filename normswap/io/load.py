@@ -472,6 +472,8 @@ def load_tokenizer(resolved: Resolved, name_or_dir: str | Path | None = None, *,
         path = Path(str(name_or_dir)).expanduser()
         if path.is_dir():
             where = Resolved(str(name_or_dir), "dir", str(path.resolve()))
+        elif _looks_like_path(str(name_or_dir)):
+            raise NormswapError(f"tokenizer {name_or_dir}: no such directory")
         else:
             where = Resolved(str(name_or_dir), "hub", str(name_or_dir))
     elif resolved.gguf_file:

@@ -54,7 +54,11 @@ def _inputs(source) -> list[Path]:
 
 
 def _check_creatable(folder: Path) -> None:
-    """``folder`` is a writable directory or can be created as one (nothing is created)."""
+    """``folder`` is a writable directory or can be created as one (nothing is left behind).
+
+    Permission bits say nothing for root or for special filesystems (``/proc``), so the nearest existing
+    ancestor is tried for real: a hidden directory is made in it and removed at once.
+    """
     existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -62,6 +66,10 @@ def _check_creatable(folder: Path) -> None:
         raise NormswapError(f"cannot create {folder}: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise NormswapError(f"cannot write to {existing}: not writable (permission denied or read-only)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".normswap-probe-", dir=existing))
+    except OSError as error:
+        raise NormswapError(f"cannot create {folder}: {error.strerror or error}") from error
 
 
 def check_output_dir(out_dir: str | os.PathLike, source=None, *, overwrite: bool = False) -> Path:
