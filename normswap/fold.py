@@ -220,6 +220,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def distinct_consumers(site: NormSite):
+    """``site``'s consumers, each ``(param, axis)`` once: a weight read by several op calls folds once."""
+    seen: set[tuple[str, int]] = set()
+    for c in site.consumers:
+        if (c.param, c.axis) not in seen:
+            seen.add((c.param, c.axis))
+            yield c
+
+
 @torch.no_grad()
 def unrepresentable(model: nn.Module, site: NormSite, read: Callable | None = None) -> str | None:
     """Why folding ``site`` would store a value its consumers' dtypes cannot hold, or None when it can.
@@ -232,11 +241,7 @@ def unrepresentable(model: nn.Module, site: NormSite, read: Callable | None = No
     read = read or model.get_parameter
     norm = model.get_submodule(site.name)
     scale, shift = scale_and_shift(site, norm)
-    seen: set[tuple[str, int]] = set()
-    for c in site.consumers:
-        if (c.param, c.axis) in seen:
-            continue
-        seen.add((c.param, c.axis))
+    for c in distinct_consumers(site):
         weight = read(c.param)
         if not weight.is_floating_point():
             return (
@@ -301,11 +306,7 @@ def fold_site(model: nn.Module, site: NormSite) -> None:
     """
     norm = model.get_submodule(site.name)
     scale, shift = scale_and_shift(site, norm)
-    seen: set[tuple[str, int]] = set()
-    for c in site.consumers:
-        if (c.param, c.axis) in seen:
-            continue
-        seen.add((c.param, c.axis))
+    for c in distinct_consumers(site):
         weight = model.get_parameter(c.param)
         if shift is not None and c.bias is not None:
             bias = model.get_parameter(c.bias)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from normswap.errors import NormswapError
-from normswap.fold import FoldPlan, bias_delta, scale_and_shift, scale_axis_
+from normswap.fold import FoldPlan, bias_delta, distinct_consumers, scale_and_shift, scale_axis_
 from normswap.stream.model import Streamed
 from normswap.stream.shards import CheckpointReader
 
@@ -53,11 +53,7 @@ def tensor_plans(streamed: Streamed, folding: FoldPlan, untied: list[str]) -> di
     for site in folding.sites:
         norm = streamed.model.get_submodule(site.name)
         scale, shift = scale_and_shift(site, norm)
-        seen: set[tuple[str, int]] = set()
-        for c in site.consumers:
-            if (c.param, c.axis) in seen:
-                continue
-            seen.add((c.param, c.axis))
+        for c in distinct_consumers(site):
             weight = plans[out(c.param)]
             if shift is not None and c.bias is not None:
                 if weight.scales:
