@@ -312,6 +312,9 @@ FORK = multiprocessing.get_context("fork")
 
 
 def _slow_save(model, out: Path, ready) -> None:
+    # A run started in the background by a non-interactive shell (as CI may be) inherits SIGINT ignored;
+    # a user's terminal process has Python's handler, which is what this test is about.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     real = type(model).save_pretrained
 
     def slow(self, path, **kwargs):
