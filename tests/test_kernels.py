@@ -759,6 +759,33 @@ def test_identity_cache_follows_the_parameter(monkeypatch):
     torch.testing.assert_close(one.weight.grad, hf_one.weight.grad, rtol=0, atol=0)
 
 
+def test_identity_cache_never_trusts_another_tensor(monkeypatch):
+    """A key of (version, pointer, dtype, device) can recur for a new tensor that the allocator placed where
+    a freed one was: the cache is kept only for the very tensor it was taken from. Pickling drops it."""
+    import pickle
+
+    fused = FusedRMSNorm(64, 1e-6)
+    seen = _spy(monkeypatch)
+    x = hidden((3, 64), torch.float32)
+    w = noise(64, 1.0)
+    with torch.no_grad():
+        fused(x)  # identity: cached
+        key = fused._identity_key
+        stand_in = nn.Parameter(w.clone())
+        fused._identity_key = (stand_in._version, stand_in.data_ptr(), stand_in.dtype, stand_in.device)
+        fused.weight = stand_in  # same key as the cached one, another tensor
+        y = fused(x)
+    assert key is not None and seen == [None, fused.weight]
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    assert torch.equal(y, hf(x))
+    clone = pickle.loads(pickle.dumps(fused))
+    assert clone._identity_ref is None and torch.equal(clone(x), y)
+
+
 def test_identity_mixed_dtypes_and_layer_norm(monkeypatch):
     """Llama order promotes to the weight's dtype also when the weight is dropped (case C3); LayerNorm (fp32
     order with a bias) never drops its parameters."""

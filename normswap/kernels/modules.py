@@ -6,6 +6,8 @@ keys do not change, and reproduces its cast order and output dtype (see ``refere
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,6 +61,7 @@ class _FusedNorm(nn.Module):
         if bias_name is not None:
             self.register_parameter(bias_name, nn.Parameter(torch.empty(shape, **factory)))
         self._identity_key: tuple | None = None  # see _identity_weight
+        self._identity_ref = None  # weak reference to the tensor the key was taken from
         self._identity = False
         self.reset_parameters()
 
@@ -85,21 +88,28 @@ class _FusedNorm(nn.Module):
         is recomputed (one reduction and, on CUDA, one synchronization) after a change and costs one tuple
         comparison otherwise. Edits through ``weight.data`` bypass the version counter: after those, call
         ``reset_identity_cache()``. Inference tensors (parameters made under ``torch.inference_mode``) have
-        no version counter: for them the answer is always False (the weight is used).
+        no version counter: for them the answer is always False (the weight is used). The key is only
+        trusted for the very tensor it was taken from (a weak reference): a new parameter that the allocator
+        placed where a freed one was, with the same version 0, is decided afresh.
         """
         if w.is_inference():
             return False
         key = (w._version, w.data_ptr(), w.dtype, w.device)
-        if key != self._identity_key:
+        if key != self._identity_key or self._identity_ref is None or self._identity_ref() is not w:
             eff, _ = prepare_params(w, None, self.offset, self.cast_order)
             with torch.no_grad():
                 self._identity = bool((eff == 1).all())
-            self._identity_key = key
+            self._identity_key, self._identity_ref = key, weakref.ref(w)
         return self._identity
+
+    def __getstate__(self):  # pickle / deepcopy: a weak reference cannot be pickled; the copy decides afresh
+        state = self.__dict__.copy()
+        state["_identity_key"] = state["_identity_ref"] = None
+        return state
 
     def reset_identity_cache(self) -> None:
         """Forget whether the weight is the identity (needed only after edits through ``weight.data``)."""
-        self._identity_key = None
+        self._identity_key = self._identity_ref = None
 
     def _precision(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None):
         """``(x, w, b, back)`` as the op should see them: for a float64 input of a module that computes in
