@@ -188,15 +188,7 @@ def decode_targets(rows: list[dict], device: str) -> list[str]:
 
 def format_decode_table(rows: list[dict]) -> str:
     """Markdown table: candidates by (rows x hidden, dtype), cells ``us per call (ratio to HF module)``."""
-    configs = list(dict.fromkeys((r["rows"], r["hidden"], r["dtype"]) for r in rows))
-    names = list(dict.fromkeys(r["name"] for r in rows))
-    cell = {(r["rows"], r["hidden"], r["dtype"], r["name"]): r for r in rows}
-    head = ["per call, us (/ HF LlamaRMSNorm)"] + [f"{n}x{h} {d}" for n, h, d in configs]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for n in names:
-        cells = [n]
-        for cfg in configs:
-            r = cell.get((*cfg, n))
-            cells.append("" if r is None else f"{r['per_call_us']:.1f} ({r['ratio_to_hf']:.2f}x)")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    from normswap.bench.report import pivot_table
+
+    corner = "per call, us (/ HF LlamaRMSNorm)"
+    return pivot_table(rows, "rows", corner, lambda r: f"{r['per_call_us']:.1f} ({r['ratio_to_hf']:.2f}x)")

@@ -45,20 +45,25 @@ def machine_info(device: str = "cpu", heap_reuse: bool | None = None) -> dict:
     return info
 
 
-def format_table(rows: list[dict]) -> str:
-    """Markdown table: one line per candidate, columns per (shape, dtype) as ``ratio (GB/s)``."""
-    configs = list(dict.fromkeys((r["tokens"], r["hidden"], r["dtype"]) for r in rows))
+def pivot_table(rows: list[dict], count_key: str, corner: str, cell) -> str:
+    """Markdown table: one line per candidate (``name``), one column per ``(count_key, hidden, dtype)``,
+    each cell ``cell(row)`` (empty where a candidate has no row)."""
+    configs = list(dict.fromkeys((r[count_key], r["hidden"], r["dtype"]) for r in rows))
     names = list(dict.fromkeys(r["name"] for r in rows))
-    cell = {(r["tokens"], r["hidden"], r["dtype"], r["name"]): r for r in rows}
-    head = ["candidate"] + [f"{t}x{h} {d}" for t, h, d in configs]
+    by = {(r[count_key], r["hidden"], r["dtype"], r["name"]): r for r in rows}
+    head = [corner] + [f"{t}x{h} {d}" for t, h, d in configs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in names:
-        cells = [n]
-        for cfg in configs:
-            r = cell.get((*cfg, n))
-            cells.append("" if r is None else f"{r['ratio_to_copy']:.2f}x ({r['gb_per_s']:.1f})")
+        cells = [n] + ["" if (r := by.get((*cfg, n))) is None else cell(r) for cfg in configs]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table: one line per candidate, columns per (shape, dtype) as ``ratio (GB/s)``."""
+    return pivot_table(
+        rows, "tokens", "candidate", lambda r: f"{r['ratio_to_copy']:.2f}x ({r['gb_per_s']:.1f})"
+    )
 
 
 # The targets of the kernel issues, as ratios measured in one run (docs/KERNELS.md): on a CPU, normswap's
