@@ -94,18 +94,23 @@ print(f"{r['norms_found']} found / {r['norms_folded']} folded / {r['norms_swappe
       f"KL {c.get('kl_mean'):.3g}, top-1 {c.get('top1_agreement'):.2%}")
 PY
 }
-zoo_rows() {  # the zoo on $DEVICE; its last line: rows passed and the largest difference
-  local args=()
-  for row in $ZOO_ONLY; do args+=(--only "$row"); done
-  python3 -m normswap zoo --device "$DEVICE" --output "$OUT/zoo.md" "${args[@]}"
-  local rc=$?
-  python3 - "$OUT/zoo.md" <<'PY'
-import re, sys
-text = open(sys.argv[1]).read()
-diffs = [float(m) for m in re.findall(r"^\|[^|]+\|[^|]+\|[^|]+\|[^|]+\|[^|]+\| ([0-9.e+-]+) \|", text, re.M)]
-print(re.search(r"\*\*(.*)\*\*", text).group(1), f"max abs diff over rows {max(diffs):.1e} (float32, <= 1e-5)")
+zoo_rows() {  # the zoo on $DEVICE (table in zoo.md); its last line: rows passed and the largest raw difference
+  python3 - <<'PY'
+import os, sys
+from normswap import zoo
+from normswap.device import resolve_device
+only = os.environ["ZOO_ONLY"].split()
+entries = [e for e in zoo.ZOO if not only or e.name in only]
+results = zoo.run_zoo(entries, device=resolve_device(os.environ["DEVICE"]))
+with open(os.path.join(os.environ["OUT"], "zoo.md"), "w") as f:
+    f.write(zoo.coverage_markdown(results))
+for r in results:
+    print(f"{r.name}: max abs diff {r.max_abs_diff:.2e}, top-1 {r.top1:.0%}, {'ok' if r.passed else 'FAIL ' + str(r.error)}")
+worst = max(results, key=lambda r: r.max_abs_diff)
+print(f"{sum(r.passed for r in results)} / {len(results)} passed; max abs diff {worst.max_abs_diff:.2e} ({worst.name};"
+      f" float32, <= {zoo.TOLERANCE:g})")
+sys.exit(0 if all(r.passed for r in results) else 1)
 PY
-  return $rc
 }
 export -f report_line convert_new convert_devmap zoo_rows
 export OUT DEVICE SIZE ZOO_ONLY MODELS
@@ -132,9 +137,24 @@ part() {
   echo "$verdict $name ($((SECONDS - t0)) s, exit $rc): $last" | tee -a "$OUT/summary.txt"
 }
 
+part llama 120 convert_new llama llama --device "$DEVICE"
+part gemma3 120 convert_new gemma3 gemma3_text --device "$DEVICE"
+part zoo 120 zoo_rows
 if [ "${DEVICE%%:*}" = cuda ]; then
   part tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_device.py tests/test_device_guard.py \
     tests/test_kernels.py -k "cuda or triton or compiled or meta or device"
+else
+  echo "SKIP tests: CUDA only (DEVICE=$DEVICE)" | tee -a "$OUT/summary.txt"
+fi
+if [ -d "$MODELS/llama-converted" ]; then
+  part devmap 90 convert_devmap
+  part time 90 python3 benchmarks/gpu_models.py time "$MODELS/llama" "$MODELS/llama-converted" \
+    --device "$DEVICE" --json "$OUT/timings.json" "${TIMING[@]}"
+else
+  echo "FAIL devmap, time: no converted Llama (part llama failed)" | tee -a "$OUT/summary.txt"
+  failed=1
+fi
+if [ "${DEVICE%%:*}" = cuda ]; then
   LIGER_PATH=""
   whl=$(ls .whl/liger_kernel*.whl 2>/dev/null | tail -n 1)
   if [ -n "$whl" ] && python3 -m zipfile -e "$whl" "$OUT/liger" 2>/dev/null; then
@@ -146,18 +166,7 @@ if [ "${DEVICE%%:*}" = cuda ]; then
     --backends torch,triton --rounds 7 --out "$OUT/bench"
   rm -rf "$OUT/liger"
 else
-  echo "SKIP tests, bench: CUDA only (DEVICE=$DEVICE)" | tee -a "$OUT/summary.txt"
-fi
-part zoo 120 zoo_rows
-part llama 120 convert_new llama llama --device "$DEVICE"
-part gemma3 120 convert_new gemma3 gemma3_text --device "$DEVICE"
-if [ -d "$MODELS/llama-converted" ]; then
-  part devmap 90 convert_devmap
-  part time 90 python3 benchmarks/gpu_models.py time "$MODELS/llama" "$MODELS/llama-converted" \
-    --device "$DEVICE" --json "$OUT/timings.json" "${TIMING[@]}"
-else
-  echo "FAIL devmap, time: no converted Llama (part llama failed)" | tee -a "$OUT/summary.txt"
-  failed=1
+  echo "SKIP bench: CUDA only (DEVICE=$DEVICE)" | tee -a "$OUT/summary.txt"
 fi
 rm -rf "$MODELS"  # ~6 GB of random weights at SIZE=1b
 echo "gpu_check: $(grep -c '^PASS' "$OUT/summary.txt") passed, $(grep -c '^FAIL' "$OUT/summary.txt") failed;" \
