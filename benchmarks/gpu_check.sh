@@ -142,6 +142,7 @@ part gemma3 120 convert_new gemma3 gemma3_text --device "$DEVICE"
 part zoo 120 zoo_rows
 if [ "${DEVICE%%:*}" = cuda ]; then
   part tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_device.py tests/test_device_guard.py \
+    tests/test_cases_saved.py \
     tests/test_kernels.py -k "cuda or triton or compiled or meta or device"
 else
   echo "SKIP tests: CUDA only (DEVICE=$DEVICE)" | tee -a "$OUT/summary.txt"

@@ -92,6 +92,23 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def placement(model: nn.Module) -> dict[str, str | int] | None:
+    """Where ``model``'s weights live, as a transformers ``device_map`` that reloads them in the same place.
+
+    Returns:
+        ``None`` for a model wholly on the CPU; accelerate's ``hf_device_map`` (``{"model.embed_tokens": 0,
+        "lm_head": "cpu", ...}``: accelerator indices or device names) for a model it placed; else
+        ``{"": "cuda:0"}``, the device of the model's input embedding (``model_device``).
+    """
+    mapped = getattr(model, "hf_device_map", None)
+    if mapped and set(mapped) != {""}:
+        return {name: d if isinstance(d, int) else str(d) for name, d in mapped.items()}
+    devices = {p.device for p in model.parameters() if p.device.type != "meta"}
+    if not devices or devices == {torch.device("cpu")}:
+        return None
+    return {"": str(model_device(model))}
+
+
 def offloaded(model: nn.Module) -> dict[str, str]:
     """Parameters and buffers that accelerate offloaded: qualified name -> owning module name.
 

@@ -239,6 +239,50 @@ def test_verify_saved_passes_on_a_faithful_save(llama_dir, tmp_path):
     assert result.max_abs_diff == 0 and result.max_abs_diff_plain == 0  # float32: bit-identical
 
 
+def test_verify_saved_reloads_where_the_checked_model_was(llama_dir, tmp_path, monkeypatch):
+    """The fresh load goes where the checked model's weights were (same kernels, so bit-identical
+    outputs): a model that accelerate spread over devices reloads with its map. On an H200 a CUDA model
+    reloaded on the CPU differed by 0.11 in its bf16 logits, and every GPU convert was refused."""
+    import transformers
+
+    from normswap.device import placement
+
+    loaded = load_model(llama_dir)
+    assert placement(loaded.model) is None  # wholly on the CPU: a plain load
+    # What accelerate records on a model it spread over several devices (transformers sets it only then).
+    device_map = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    loaded.model.hf_device_map = device_map
+    assert placement(loaded.model) == device_map
+    report = normswap.convert(loaded.model)
+    expected = record_expected(loaded.model, example_ids())
+    save_converted(loaded.model, None, report_dict(report, loaded.info), tmp_path / "out")
+    calls = []
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *a, **kw: calls.append(kw.get("device_map")) or load(*a, **kw),
+    )
+    result = verify_saved(tmp_path / "out", expected)
+    assert calls == [device_map]
+    assert result.passed, result.failures
+    assert result.device == "device_map over cpu" and result.max_abs_diff == 0
+    assert "fresh load as LlamaForCausalLM on device_map over cpu, 21 tensors" in result.line()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_verify_saved_on_cuda_reloads_on_cuda(llama_dir, tmp_path):
+    """bfloat16 on the GPU: the fresh load is on the same GPU and its fused outputs bit-identical."""
+    loaded = load_model(llama_dir, dtype="bfloat16", device="cuda")
+    report = normswap.convert(loaded.model)
+    expected = record_expected(loaded.model, example_ids())
+    assert expected.device_map == {"": "cuda:0"}
+    save_converted(loaded.model, None, report_dict(report, loaded.info), tmp_path / "out")
+    result = verify_saved(tmp_path / "out", expected)
+    assert result.passed, result.failures
+    assert result.device == "cuda:0" and result.max_abs_diff == 0
+
+
 def test_verify_saved_names_a_changed_tensor_and_class(llama_dir, tmp_path):
     out = tmp_path / "out"
     expected = _convert_and_save(llama_dir, out)

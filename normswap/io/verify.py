@@ -9,7 +9,9 @@ memory stays at about one model.
 
 Tolerance: the weights must be bit-identical (same digest) and the outputs of the fresh load, with
 normswap's fused norms put back from the manifest (``load_pretrained``), bit-identical to the recorded
-ones: the same weights through the same modules on the same CPU kernels. The outputs of the plain
+ones: the same weights through the same modules on the same kernels (the fresh load is placed where the
+checked model was: the CPU, one GPU, or accelerate's device map; on CUDA a load onto the CPU differed by
+0.11 in bf16 logits of a 1B Llama, measured on an H200). The outputs of the plain
 transformers load (its own norm modules) are compared too. In float32/float64 they must stay within the
 check's own max-abs tolerance (``normswap.check.default_tolerance``: 2e-4 / 1e-8); measured: bit-identical
 on tiny Llama, Gemma, Gemma 2/3, Qwen3, Phi-3, Mistral, OLMo, OLMo 2, Falcon, GPT-NeoX, StableLM, BLOOM,
@@ -47,6 +49,8 @@ class Expected:
         output: ``"logits"`` or ``"last_hidden_state"``.
         outputs: ``(T, V or D)`` outputs of the in-memory model, in its dtype, on the CPU.
         note: how the saved model relates to the one in memory (``None``: it is the same model).
+        device_map: where the model's weights were (``normswap.device.placement``; ``None``: the CPU); the
+            fresh load goes to the same place, so it runs the same kernels.
     """
 
     architecture: str
@@ -56,6 +60,7 @@ class Expected:
     output: str
     outputs: torch.Tensor
     note: str | None = None
+    device_map: dict[str, str | int] | None = None
 
 
 @dataclass
@@ -80,6 +85,7 @@ class VerifyResult:
     failures: list[str] = field(default_factory=list)
     note: str | None = None
     peak_rss_mib: float = 0.0
+    device: str = "cpu"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,8 +103,9 @@ def describe(verify: dict[str, Any]) -> str:
     plain = verify.get("max_abs_diff_plain") or 0
     plain_text = f" ({plain:.3g} with transformers' own norms)" if plain else ""
     note = f"; {verify['note']}" if verify.get("note") else ""
+    where = f" on {verify['device']}" if verify.get("device", "cpu") != "cpu" else ""
     return (
-        f"fresh load as {verify['architecture']}, {verify['tensors']} tensors bit-identical, "
+        f"fresh load as {verify['architecture']}{where}, {verify['tensors']} tensors bit-identical, "
         f"{verify['output']} on {verify['tokens']} tokens identical{plain_text}{note}"
     )
 
@@ -144,6 +151,7 @@ def record_expected(
         ``Expected``; it holds digests, not tensors, apart from the ``tokens x V`` outputs.
     """
     from normswap.check.core import _forward
+    from normswap.device import placement
     from normswap.io.adapters import plain_model
 
     ids = input_ids[:1, :tokens].cpu()
@@ -159,6 +167,7 @@ def record_expected(
         output=kind,
         outputs=outputs,
         note=note,
+        device_map=placement(model),
     )
 
 
@@ -243,8 +252,9 @@ def verify_saved(
     try:
         auto = getattr(transformers, auto_class_name(config))
         dtype = torch_dtype(expected.dtype)
+        where = {} if expected.device_map is None else {"device_map": expected.device_map}
         fresh = auto.from_pretrained(
-            resolved.path, config=config, dtype=dtype, trust_remote_code=trust_remote_code
+            resolved.path, config=config, dtype=dtype, trust_remote_code=trust_remote_code, **where
         ).eval()
     except NormswapError:
         raise
@@ -285,4 +295,13 @@ def verify_saved(
         failures=failures,
         note=expected.note,
         peak_rss_mib=peak_rss_mib(),
+        device=_describe_placement(expected.device_map),
     )
+
+
+def _describe_placement(device_map: dict[str, str | int] | None) -> str:
+    """``"cpu"``, ``"cuda:0"``, or ``"device_map over cuda:0, cuda:1"`` (the distinct devices, in order)."""
+    if device_map is None:
+        return "cpu"
+    devices = list(dict.fromkeys(f"cuda:{d}" if isinstance(d, int) else d for d in device_map.values()))
+    return devices[0] if set(device_map) == {""} else "device_map over " + ", ".join(devices)
