@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU acceptance run of normswap, in one go, on a machine with one CUDA GPU (about 4 minutes on an H200
-# with the earlier one-shape bench part; issue 13's bench part is estimated at 1-1.5 minutes more, unmeasured):
+# The GPU acceptance run of normswap, in one go, on a machine with one CUDA GPU (about 6 minutes on an H200,
+# measured 2026-11-30; results of that run in benchmarks/results/cuda/):
 #   tests     the CUDA tests: kernels (auto/triton/torch/compiled backends against the HF modules in three
 #             dtypes, the Triton residual variant) and devices (convert on the GPU equals the CPU run, bf16
 #             finds every norm, a model spread over CPU and GPU by accelerate), plus the meta-device guard;
@@ -10,7 +10,7 @@
 #             32768x4096; bfloat16, float16, float32; torch and triton backends, torch.compile of the HF
 #             module, Liger-Kernel when importable) and decode sizes (1, 8, 128 rows, per call through the
 #             module): $OUT/bench/norm_kernels.md holds the issue's tables and the target verdicts, .json
-#             the numbers (estimated 60-90 s on an H200, not yet run; the limit is 180 s);
+#             the numbers (63 s on an H200; the limit is 180 s);
 #   llama     a random-weight ~1B Llama (bfloat16, norms re-randomized, benchmarks/gpu_models.py) saved to
 #             disk, then `normswap convert DIR --dtype bfloat16 --device cuda`: the bf16 check must pass;
 #   gemma3    the same for a Gemma-3-style model (1+w norms, sandwich and q/k norms);

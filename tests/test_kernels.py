@@ -871,8 +871,10 @@ def test_compiled_static_cache_generate_same_tokens(tiny_model):
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_cuda_triton_configs_and_identity_route(dtype):
     """On a GPU: the triton kernel in every launch configuration (packed short rows, per-head, one row with
-    4/8/16 warps) and both cast orders against the eager reference, <= 1 ulp on under 0.1% of the elements;
-    an identity-weight module (torch's F.rms_norm) against the HF module, same bound (issue 13)."""
+    4/8/16 warps) and both cast orders against the eager reference, <= 1 ulp (2 where llama order rounds
+    twice) on under 0.1% of the elements; an identity-weight module (torch's F.rms_norm) against the HF
+    module, same bound (issue 13). With FMA contraction on, the llama-order LayerNorm differed on 30% of
+    the elements (up to 254 ulps where w * n cancels b)."""
     pytest.importorskip("triton")
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -885,7 +887,11 @@ def test_cuda_triton_configs_and_identity_route(dtype):
             w = (noise(wshape, 1.0 - offset, dtype=dtype)).cuda()
             b = noise(wshape, 0.0, seed=3, dtype=dtype).cuda()
             got = rms_norm(x, w, 1e-6, offset, order, backend="triton")
-            assert_ulp_close(got, rms_norm(x, w, 1e-6, offset, order, backend="eager"), max_frac=0.001)
+            # llama order rounds twice: n (1 ulp apart where the float32 reductions differ), then w * n, so
+            # such an element can end 2 ulps apart (measured on an H200: 67 of 16.8M at 4096 x 4096).
+            ulps = 2 if order == "llama" else 1
+            want = rms_norm(x, w, 1e-6, offset, order, backend="eager")
+            assert_ulp_close(got, want, max_ulps=ulps, max_frac=0.001)
             got = layer_norm(x, w, b, 1e-5, offset, order, backend="triton")
             want = layer_norm(x, w, b, 1e-5, offset, order, backend="eager")
             # An output near zero is a cancellation of w * n against b: one ulp of w * n (the float32
