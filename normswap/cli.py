@@ -205,6 +205,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
             )
     except NormswapError:
         if report is not None:  # the report still tells what was converted, where it can be written
+            report_dict["saved"] = False
             with contextlib.suppress(NormswapError):
                 io.write_json(report, report_dict)
         raise
@@ -220,7 +221,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         else:
             io.write_json(Path(output) / io.MANIFEST, report_dict)
     if report is not None:
-        io.write_json(report, report_dict)
+        io.write_json(report, report_dict | {"saved": saved})
     click.echo(_summary(report_dict, output if saved else None, report))
     verify_failed = not report_dict.get("verify", {}).get("passed", True)
     if not passed or verify_failed:

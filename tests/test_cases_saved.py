@@ -419,7 +419,7 @@ def test_bfloat16_convert_verifies_bit_identical_with_fused_norms(llama_dir, tmp
     )
     assert result.exit_code == 0, result.output
     verify = json.loads(report.read_text())["verify"]
-    assert verify["passed"] and verify["max_abs_diff"] == 0
+    assert verify["passed"] and verify["max_abs_diff"] == 0 and json.loads(report.read_text())["saved"]
     assert json.loads((out / "normswap.json").read_text())["verify"] == verify
     with safe_open(str(out / "model.safetensors"), "pt") as saved:
         assert all(saved.get_slice(name).get_dtype() == "BF16" for name in saved.keys())

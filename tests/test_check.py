@@ -261,6 +261,21 @@ def test_encoder_compares_last_hidden_state(input_ids):
 
 
 # ---------------------------------------------------------------- half precision
+def test_forward_of_a_model_returning_a_plain_tensor_keeps_every_row():
+    """A model whose forward returns the logits tensor itself: the check compares all B x T rows (it used to
+    index the tensor like a tuple and compare batch row 0 only)."""
+    from normswap.check.core import _forward
+    from normswap.zoo import CustomLM
+
+    model = CustomLM().eval()
+    ids = torch.randint(0, 128, (3, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        kind, out = _forward(model, ids)
+        want = model(ids).reshape(-1, 128)
+    # an output without a name is judged as hidden states (normswap.check.policy)
+    assert kind == "last_hidden_state" and out.shape == (24, 128) and torch.equal(out, want)
+
+
 def test_upcast_restores_mixed_dtypes_bit_exactly():
     model = make_tiny_model("llama", dtype=torch.bfloat16)
     model.model.norm.weight.data = model.model.norm.weight.data.float()  # a float32 norm in a bf16 model

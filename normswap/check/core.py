@@ -165,8 +165,8 @@ def _forward(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[str, torc
     kind, value = ("logits", logits) if logits is not None else ("last_hidden_state", None)
     if value is None:
         value = getattr(out, "last_hidden_state", None)
-        if value is None:
-            value = out[0]
+        if value is None:  # a plain tensor is the output itself (indexing it would take batch row 0)
+            value = out if isinstance(out, torch.Tensor) else out[0]
     return kind, value.reshape(-1, value.shape[-1]).cpu()
 
 
