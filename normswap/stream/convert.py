@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +32,7 @@ from normswap.errors import NormswapError
 from normswap.stream import dist
 from normswap.stream.model import Streamed, StreamedParameter, build, is_released
 from normswap.stream.plan import layout, make_tensor, tensor_plans
-from normswap.stream.shards import CheckpointReader, ShardWriter, nbytes, write_index
+from normswap.stream.shards import INDEX, CheckpointReader, ShardWriter, nbytes, write_index
 
 # The walk keeps every activation it follows until it ends (about 0.9 GB on 512 tokens of a 1.1B Llama), so
 # the streamed walk traces the first WALK_TOKENS tokens of the check's text. The dataflow it records does
@@ -78,24 +80,61 @@ def parse_size(text: str) -> int:
     return size
 
 
+# What a streamed conversion needs from a hub repository besides the weights: config, index, generation
+# config and the tokenizer in any of its formats (Python files only with trust_remote_code).
+HUB_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "vocab*", "merges*"]
+
+
+def fetch_hub(repo_id: str, trust_remote_code: bool = False) -> str:
+    """Fetch what streaming reads of hub repository ``repo_id`` into the Hugging Face cache; its path.
+
+    First the small files (``HUB_FILES``), then only the safetensors files the index names (or
+    ``model.safetensors``): a repository that also holds other copies of the weights (Mistral's
+    ``consolidated.safetensors``, PyTorch ``.bin`` files) is not fetched twice. ``huggingface_hub`` writes
+    each file to disk as it downloads (never whole in memory), resumes, and reuses the cache.
+
+    Raises:
+        NormswapError: the hub cannot be reached (offline), the repository or a file does not exist, or
+            access is refused; one line.
+    """
+    from huggingface_hub import snapshot_download
+
+    small = HUB_FILES + (["*.py"] if trust_remote_code else [])
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=small))
+        index = path / INDEX
+        weights = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
+        path = Path(snapshot_download(repo_id, allow_patterns=small + (weights or ["model.safetensors"])))
+    except Exception as error:  # noqa: BLE001 - huggingface_hub raises many kinds; each is one line here
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise NormswapError(f"{repo_id}: cannot fetch from the Hugging Face hub ({type(error).__name__}: "
+                            f"{first})") from error  # fmt: skip
+    return str(path)
+
+
 def open_source(model: str, dtype: str, trust_remote_code: bool = False) -> Source:
-    """Open MODEL for streaming: a local directory with ``config.json`` and safetensors weights.
+    """Open MODEL for streaming: a local directory with ``config.json`` and safetensors weights, or a hub
+    id whose files are fetched into the Hugging Face cache first (``fetch_hub``).
 
     Every shard's header is checked here, before anything runs or is written.
 
     Raises:
-        NormswapError: MODEL is not such a directory (a .gguf file, a hub id), not a causal LM, has a
-            missing/truncated/corrupt shard, or its tokenizer cannot be loaded.
+        NormswapError: MODEL is not such a directory or hub id (a .gguf file), a hub id cannot be
+            fetched, not a causal LM, has a missing/truncated/corrupt shard, or its tokenizer cannot be
+            loaded.
     """
     from transformers import AutoTokenizer
 
     from normswap.io.load import ModelInfo, _load_failure, is_causal_lm, load_config, resolve, torch_dtype
 
     resolved = resolve(model)
+    kind = resolved.kind
+    if kind == "hub":
+        resolved = dataclasses.replace(resolved, kind="dir", path=fetch_hub(model, trust_remote_code))
     if resolved.kind != "dir":
-        what = "a GGUF file" if resolved.gguf_file else "a hub id"
         raise NormswapError(
-            f"{model}: --max-memory streams a local model directory with safetensors weights, not {what}"
+            f"{model}: --max-memory streams a model directory (or hub id) with safetensors weights, "
+            "not a GGUF file"
         )
     config = load_config(resolved, trust_remote_code=trust_remote_code)
     if not is_causal_lm(config):
@@ -110,7 +149,7 @@ def open_source(model: str, dtype: str, trust_remote_code: bool = False) -> Sour
 
     architecture = AutoModelForCausalLM._model_mapping[type(config)].__name__
     info = ModelInfo(
-        source=resolved.source, kind=resolved.kind, path=resolved.path, gguf_file=None, short_name=None,
+        source=resolved.source, kind=kind, path=resolved.path, gguf_file=None, short_name=None,
         architecture=architecture, causal_lm=True, dtype=str(torch_type).removeprefix("torch."),
     )  # fmt: skip
     return Source(reader, config, tokenizer, info, torch_type)
