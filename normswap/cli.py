@@ -219,9 +219,10 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
             shutil.rmtree(output, ignore_errors=True)
             saved = False
         else:
-            io.write_json(Path(output) / io.MANIFEST, report_dict)
+            io.write_json(Path(output) / io.MANIFEST, report_dict | {"saved": True})
+    report_dict["saved"] = saved
     if report is not None:
-        io.write_json(report, report_dict | {"saved": saved})
+        io.write_json(report, report_dict)
     click.echo(_summary(report_dict, output if saved else None, report))
     verify_failed = not report_dict.get("verify", {}).get("passed", True)
     if not passed or verify_failed:
