@@ -166,13 +166,16 @@ def untie_checked(model: nn.Module, folding: FoldPlan, inputs=None) -> Untied:
 
     Some models read ``tie_word_embeddings`` while running (T5-style decoders rescale their output when it is
     True), so flipping the flag can change the function even before any fold. ``inputs``: the walk's
-    inputs (``normswap.walk.example_inputs``). When the outputs differ, the
+    inputs (``normswap.walk.example_inputs``); token ids are cut to their first positions
+    (``normswap.walk.short_inputs``): a flag read while running moves every position's output, and two
+    forwards on the check's 512 tokens cost more than the rest of a conversion. When the outputs differ, the
     untie is undone and the sites that needed it are dropped from ``folding`` with that reason.
     """
     if not folding.untie:
         return Untied()
-    from normswap.walk import run_example
+    from normswap.walk import run_example, short_inputs
 
+    inputs = short_inputs(inputs)
     before = run_example(model, inputs)
     untied = untie_parameters(model, folding.untie)
     if not untied._configs or _same(before, run_example(model, inputs)):
@@ -233,10 +236,12 @@ def distinct_consumers(site: NormSite):
 def unrepresentable(model: nn.Module, site: NormSite, read: Callable | None = None) -> str | None:
     """Why folding ``site`` would store a value its consumers' dtypes cannot hold, or None when it can.
 
-    Computes every folded weight (and bias) exactly as ``fold_site`` will, in float64 blocks, without
-    writing anything: a consumer weight that is not a float (an integer weight dequantized in the forward)
-    cannot take a fold at all, and a folded value beyond the dtype's finite range (``finfo.max``: 65504 for
-    float16) would be stored as inf. Values that were already not finite before the fold are not counted.
+    Computes the folded weights' largest magnitudes (``input_peaks``; every folded entry, in float64
+    blocks, for a weight that already holds a NaN or inf) and every folded bias exactly as ``fold_site``
+    will, without writing anything: a consumer weight that is not a float (an integer weight dequantized in
+    the forward) cannot take a fold at all, and a folded value beyond the dtype's finite range
+    (``finfo.max``: 65504 for float16) would be stored as inf. Values that were already not finite before
+    the fold are not counted.
     """
     read = read or model.get_parameter
     norm = model.get_submodule(site.name)
@@ -247,12 +252,16 @@ def unrepresentable(model: nn.Module, site: NormSite, read: Callable | None = No
             return (
                 f"consumer weight {c.param} is stored as {_dtype_name(weight.dtype)}: a fold cannot be stored"
             )
-        shape = [1] * weight.ndim
-        shape[c.axis] = -1
-        parts = [
-            (c.param, weight.narrow(dim, start, length), scale.to(weight.device).reshape(shape), None)
-            for dim, start, length in _blocks(weight, c.axis)
-        ]
+        peaks = input_peaks(weight, c.axis)
+        if peaks is not None:  # all finite: the largest magnitude per input index decides (input_peaks)
+            parts = [(c.param, peaks, scale.to(weight.device).abs(), None)]
+        else:
+            shape = [1] * weight.ndim
+            shape[c.axis] = -1
+            parts = [
+                (c.param, weight.narrow(dim, start, length), scale.to(weight.device).reshape(shape), None)
+                for dim, start, length in _blocks(weight, c.axis)
+            ]
         if shift is not None and c.bias is not None:
             bias = read(c.bias)
             delta = bias_delta(weight, shift, c.axis)
@@ -268,6 +277,28 @@ def unrepresentable(model: nn.Module, site: NormSite, read: Callable | None = No
                     f"fold overflows {_dtype_name(before.dtype)} ({name} would need {peak:.3g} > {limit:.6g})"
                 )
     return None
+
+
+@torch.no_grad()
+def input_peaks(weight: torch.Tensor, axis: int) -> torch.Tensor | None:
+    """``max |weight|`` over every axis but ``axis``: a vector of ``weight.shape[axis]`` entries in the
+    weight's dtype (each one of its entries' magnitudes, so exact), or None when ``weight`` holds a NaN or
+    inf.
+
+    Read in ``_blocks`` in the weight's own dtype (no float64 copy). Scaling by ``s`` along ``axis`` then
+    overflows iff ``peaks.double() * |s|`` does somewhere: float64 rounding is monotonic, so along each
+    input index the largest product is the largest magnitude's, and ``unrepresentable`` decides exactly
+    as it would element by element, at the cost of one read of the weight.
+    """
+    dims = [d for d in range(weight.ndim) if d != axis]
+    peaks = None
+    for dim, start, length in _blocks(weight, axis):
+        block = weight.narrow(dim, start, length)
+        top = torch.maximum(block.amax(dim=dims), block.amin(dim=dims).neg()) if dims else block.abs()
+        peaks = top if peaks is None else torch.maximum(peaks, top)
+    if peaks is None or not bool(torch.isfinite(peaks).all()):
+        return None
+    return peaks
 
 
 @torch.no_grad()
