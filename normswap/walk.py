@@ -528,6 +528,17 @@ class ExampleInputs:
 
 Inputs = torch.Tensor | ExampleInputs | None  # input_ids, explicit example inputs, or the default ids
 
+SHORT_POSITIONS = 32  # positions of a short forward (as the streamed walk's WALK_TOKENS)
+
+
+def short_inputs(inputs: Inputs) -> Inputs:
+    """``inputs`` for a forward whose outcome does not depend on the sequence length (the trace's dataflow,
+    the untie proof): token ids (a ``(batch, seq)`` tensor) cut to their first ``SHORT_POSITIONS``
+    positions; None and explicit ``ExampleInputs`` as given (nothing is known about their axes)."""
+    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and inputs.shape[-1] > SHORT_POSITIONS:
+        return inputs[:, :SHORT_POSITIONS]
+    return inputs
+
 
 def example_inputs(model: nn.Module, inputs: Inputs = None) -> ExampleInputs:
     """The inputs of the walk's forward.
@@ -567,9 +578,25 @@ def run_example(model: nn.Module, inputs: Inputs = None):
             m.training = mode
 
 
-def trace(model: nn.Module, inputs: Inputs = None) -> tuple[_Tracer, object]:
-    """Run one forward of ``model`` under the tracer and return it with the model's output."""
+def trace_example(model: nn.Module, inputs: Inputs = None) -> ExampleInputs:
+    """The traced forward's inputs: ``example_inputs``, plus ``logits_to_keep=1`` where the forward names
+    that argument (not for explicit ``ExampleInputs``, which are used exactly as given).
+
+    The head then maps one position, not all: the trace follows the same ops (the final norm's output is
+    sliced along the positions, ``__getitem__``, then read by the head's linear map), and the head's
+    ``(positions, vocabulary)`` logits, most of the forward's cost for a large vocabulary (Gemma 3's
+    262144 entries), are not computed. Only the trace does this; ``run_example`` keeps every position.
+    """
     example = example_inputs(model, inputs)
+    if isinstance(inputs, ExampleInputs) or "logits_to_keep" not in _named_arguments(model):
+        return example
+    return ExampleInputs(example.args, {**example.kwargs, "logits_to_keep": 1})
+
+
+def trace(model: nn.Module, inputs: Inputs = None) -> tuple[_Tracer, object]:
+    """Run one forward of ``model`` under the tracer (on ``trace_example``) and return it with the model's
+    output."""
+    example = trace_example(model, inputs)
     tracer = _Tracer(model)
     modes = {m: m.training for m in model.modules()}
     for m in modes:
@@ -588,6 +615,11 @@ def trace(model: nn.Module, inputs: Inputs = None) -> tuple[_Tracer, object]:
         for m, mode in modes.items():
             m.training = mode
     return tracer, output
+
+
+def _named_arguments(model: nn.Module) -> set[str]:
+    """The names of ``model.forward``'s arguments (not what ``**kwargs`` would take)."""
+    return set(inspect.signature(model.forward).parameters)
 
 
 def _accepts(model: nn.Module, keyword: str) -> bool:
