@@ -5,8 +5,9 @@
 
 Each model is loaded once with normswap's own loader (float32, CPU); each repeat converts a fresh deep copy
 of it exactly as `normswap convert` does: `walk` on the check's token ids (the command's default: 512 tokens
-of its bundled text), then `convert(..., traced=...)`. Every stage is timed with `time.perf_counter` around
-the function that does it (patched in for the run, restored after):
+of its bundled text; their first 32 since `normswap.walk.short_inputs`), then `convert(..., traced=...)`.
+Every stage is timed with `time.perf_counter` around the function that does it (patched in for the run,
+restored after):
 
 | stage | function(s) |
 |---|---|
@@ -107,12 +108,13 @@ def measure(model, input_ids) -> dict[str, float]:
     """One walk + convert of a deep copy of ``model`` on ``input_ids``: seconds per stage."""
     from normswap.convert import convert
 
-    convert_mod = sys.modules["normswap.convert"]
+    convert_mod, walk_mod = sys.modules["normswap.convert"], sys.modules["normswap.walk"]
+    traced_ids = getattr(walk_mod, "short_inputs", lambda ids: ids)(input_ids)  # what the command traces
     work = copy.deepcopy(model)
     times: dict[str, float] = defaultdict(float)
     with _timers(times):
         start = time.perf_counter()
-        traced = convert_mod.walk(work, input_ids)
+        traced = convert_mod.walk(work, traced_ids)
         report = convert(work, input_ids=input_ids, traced=traced)
         times["total"] = time.perf_counter() - start
     times["walk, rest"] = times.pop("walk") - times["trace"] - times["probe"]
