@@ -531,12 +531,12 @@ Inputs = torch.Tensor | ExampleInputs | None  # input_ids, explicit example inpu
 SHORT_POSITIONS = 32  # positions of a short forward (as the streamed walk's WALK_TOKENS)
 
 
-def short_inputs(inputs: Inputs) -> Inputs:
+def short_inputs(inputs: Inputs, positions: int = SHORT_POSITIONS) -> Inputs:
     """``inputs`` for a forward whose outcome does not depend on the sequence length (the trace's dataflow,
-    the untie proof): token ids (a ``(batch, seq)`` tensor) cut to their first ``SHORT_POSITIONS``
-    positions; None and explicit ``ExampleInputs`` as given (nothing is known about their axes)."""
-    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and inputs.shape[-1] > SHORT_POSITIONS:
-        return inputs[:, :SHORT_POSITIONS]
+    the untie proof): token ids (a ``(batch, seq)`` tensor) cut to their first ``positions``; None and
+    explicit ``ExampleInputs`` as given (nothing is known about their axes)."""
+    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and inputs.shape[-1] > positions:
+        return inputs[:, :positions]
     return inputs
 
 
