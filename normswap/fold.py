@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from normswap.reads import may_read_flag, tie_configs
 from normswap.sites import NormSite
 from normswap.walk import Walk
 
@@ -31,12 +32,15 @@ class FoldPlan:
         untie: ``(module_name, attribute)`` pairs whose Parameter is shared and gets its own copy.
         untie_bytes: extra bytes the untied copies cost.
         needs_untie: names of the sites that fold only once ``untie`` is done.
+        may_read_flag: whether the walk's forward may have read ``tie_word_embeddings`` (``normswap.reads``);
+            only then does ``untie_checked`` compare outputs before and after untying.
     """
 
     sites: list[NormSite] = field(default_factory=list)
     untie: list[tuple[str, str]] = field(default_factory=list)
     untie_bytes: int = 0
     needs_untie: set[str] = field(default_factory=set)
+    may_read_flag: bool = True
 
 
 def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None = None) -> FoldPlan:
@@ -51,7 +55,7 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None
     (for example the input embedding tied to ``lm_head``), the consumer module gets its own copy when
     ``untie`` is true and the weight is held by several module attributes; otherwise the site is not folded.
     """
-    result = FoldPlan()
+    result = FoldPlan(may_read_flag=may_read_flag(walk.config_reads))
     foldable = [s for s in walk.sites if s.foldable]
     sites_of: dict[str, set[str]] = {}
     for site in foldable:
@@ -145,15 +149,8 @@ def untie_config(model: nn.Module) -> list[object]:
 
     Returns the config objects whose flag was flipped.
     """
-    config = getattr(model, "config", None)
-    if config is None:
-        return []
-    configs = {id(config): config}
-    if hasattr(config, "get_text_config"):
-        text = config.get_text_config()
-        configs[id(text)] = text
     flipped = []
-    for cfg in configs.values():
+    for cfg in tie_configs(model):
         if getattr(cfg, "tie_word_embeddings", False):
             cfg.tie_word_embeddings = False
             flipped.append(cfg)
@@ -165,10 +162,13 @@ PROOF_POSITIONS = 8  # positions of the untie proof's two forwards, for token id
 
 @torch.no_grad()
 def untie_checked(model: nn.Module, folding: FoldPlan, inputs=None) -> Untied:
-    """Untie what ``folding`` needs, after proving on one short forward that untying alone changes nothing.
+    """Untie what ``folding`` needs, after proving that untying alone changes nothing.
 
     Some models read ``tie_word_embeddings`` while running (T5-style decoders rescale their output when it is
-    True), so flipping the flag can change the function even before any fold. ``inputs``: the walk's
+    True), so flipping the flag can change the function even before any fold. When the walk's forward read
+    neither the flag nor a config's whole state (``folding.may_read_flag`` False), the function cannot
+    depend on the flag and the untied copies hold the same values: untied at once. Otherwise two forwards,
+    before and after untying, are compared. ``inputs``: the walk's
     inputs (``normswap.walk.example_inputs``); token ids are cut to their first ``PROOF_POSITIONS``
     (``normswap.walk.short_inputs``): a flag read while running moves every position's output, and two
     forwards on the check's 512 tokens cost more than the rest of a conversion (Gemma 3's head alone, 640 x
@@ -179,6 +179,8 @@ def untie_checked(model: nn.Module, folding: FoldPlan, inputs=None) -> Untied:
         return Untied()
     from normswap.walk import run_example, short_inputs
 
+    if not folding.may_read_flag:
+        return untie_parameters(model, folding.untie)
     inputs = short_inputs(inputs, PROOF_POSITIONS)
     before = run_example(model, inputs)
     untied = untie_parameters(model, folding.untie)

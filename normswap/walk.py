@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 from normswap import dimmap
 from normswap.device import exact_float32, model_device, refuse_offloaded
 from normswap.probe import ProbeError, is_candidate, nonfinite_tensors, probe_module
+from normswap.reads import read_names, tie_configs
 from normswap.sites import Consumer, NormSite
 
 log = logging.getLogger("normswap")
@@ -141,6 +142,8 @@ class Walk:
             depends on them, but a consumer hidden among them would not be seen.
         probe_failures: norm candidates whose probe failed unexpectedly: module name -> error (each also
             logged as a warning); such a module may be a norm that is left out of ``sites``.
+        config_reads: attribute names the traced forward read on the config objects untying would change
+            (``normswap.reads``); None when not recorded.
     """
 
     sites: list[NormSite]
@@ -148,6 +151,7 @@ class Walk:
     owners: dict[str, list[tuple[str, str]]]
     untouched: list[str]
     probe_failures: dict[str, str] = field(default_factory=dict)
+    config_reads: frozenset[str] | None = None
 
 
 class _Tracer(TorchFunctionMode):
@@ -178,6 +182,7 @@ class _Tracer(TorchFunctionMode):
         self.called: set[int] = set()  # id of every module the forward ran
         self.first_args: dict[int, tuple] = {}  # id(module) -> (args, kwargs) of its first call, if tagged
         self.finished: set[int] = set()  # id of every module whose first call has returned
+        self.config_reads: set[str] = set()  # attribute names the forward read on the tie configs
 
     # -- module hooks -------------------------------------------------------------------------------------
     def pre_hook(self, module, args):
@@ -606,9 +611,10 @@ def trace(model: nn.Module, inputs: Inputs = None) -> tuple[_Tracer, object]:
         nn.modules.module.register_module_forward_hook(tracer.post_hook, with_kwargs=True),
     ]
     try:
-        with torch.no_grad(), tracer:
+        with torch.no_grad(), read_names(tie_configs(model)) as reads, tracer:
             output = model(*example.args, **example.kwargs)
             tracer.replay_idle_siblings(model)
+        tracer.config_reads = reads
     finally:
         for h in handles:
             h.remove()
@@ -663,7 +669,7 @@ def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
             _guard_untouched(site, untouched, tracer.params)
     return Walk(
         sites=sites, param_uses=dict(tracer.param_uses), owners=dict(tracer.owners), untouched=untouched,
-        probe_failures=failures,
+        probe_failures=failures, config_reads=frozenset(tracer.config_reads),
     )  # fmt: skip
 
 

@@ -289,3 +289,65 @@ def test_untie_proof_on_the_first_positions_still_refuses_a_model_that_reads_the
     assert len(proof) == 2 and all(f["input_ids"].shape == (1, 8) for f in proof)
     with torch.no_grad():
         torch.testing.assert_close(model(ids), expected, rtol=0, atol=1e-5)
+
+
+class _ReadsWholeConfig(_ReadsTieFlag):
+    """Reads the config's state wholesale (``to_dict``, through ``__dict__``), never the flag by name: its
+    outputs do not depend on the flag, but the walk cannot tell, so the proof's forwards run."""
+
+    def forward(self, input_ids, **kwargs):
+        assert isinstance(self.config.to_dict(), dict)
+        return self.inner(input_ids=input_ids, **kwargs).logits
+
+
+def _forwards(model):
+    calls = []
+    hook = model.register_forward_pre_hook(lambda m, a, kwargs: calls.append(kwargs), with_kwargs=True)
+    return calls, hook
+
+
+def test_untie_without_forwards_when_the_walk_never_read_the_flag():
+    model = tiny_model("llama", tie_word_embeddings=True)
+    ids = example_ids()
+    expected = _logits(model, ids)
+    calls, hook = _forwards(model)
+    report = normswap.convert(model, input_ids=ids)
+    hook.remove()
+    assert len(calls) == 1  # the walk's; no proof forwards
+    assert report.untied == ["lm_head.weight"] and model.config.tie_word_embeddings is False
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert report.norms_folded == report.norms_found
+    torch.testing.assert_close(_logits(model, ids), expected, rtol=0, atol=1e-5)
+
+
+def test_a_config_read_wholesale_runs_the_proof_and_unties():
+    model = _ReadsWholeConfig()
+    ids = example_ids()
+    with torch.no_grad():
+        expected = model(ids)
+    calls, hook = _forwards(model)
+    report = normswap.convert(model, input_ids=ids)
+    hook.remove()
+    assert len(calls) == 3  # the walk's, then the proof's two
+    assert report.untied == ["inner.lm_head.weight"] and model.config.tie_word_embeddings is False
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), expected, rtol=0, atol=1e-5)
+
+
+def test_read_names_records_the_watched_config_only_and_restores_its_class():
+    from transformers import LlamaConfig
+
+    from normswap.reads import may_read_flag, read_names
+
+    watched, other = LlamaConfig(), LlamaConfig()
+    before = LlamaConfig.__getattribute__
+    with read_names([watched]) as names:
+        assert watched.tie_word_embeddings is not None and other.hidden_size > 0
+    assert "__getattribute__" not in LlamaConfig.__dict__ and LlamaConfig.__getattribute__ is before
+    assert names == {"tie_word_embeddings"}
+    assert may_read_flag(frozenset(names)) and may_read_flag(None)
+    assert not may_read_flag(frozenset({"hidden_size", "use_cache"}))
+    assert may_read_flag(frozenset({"__dict__"}))
+    with pytest.raises(RuntimeError), read_names([watched]):
+        raise RuntimeError("restored on error too")
+    assert "__getattribute__" not in LlamaConfig.__dict__
