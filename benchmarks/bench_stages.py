@@ -122,7 +122,7 @@ def measure(model, input_ids) -> dict[str, float]:
     times["other"] = times["total"] - named
     times["norms"] = (report.norms_found, report.norms_folded, report.norms_swapped)
     del work
-    return dict(times)
+    return {stage: times[stage] for stage in STAGES} | {"norms": times["norms"]}
 
 
 def _table(rows: list[dict]) -> str:
