@@ -21,7 +21,8 @@ restored after):
 | swap | `normswap.swap.swap_norms` |
 | total | `walk` + `convert`; "other" is total minus the stages above |
 
-The median over the repeats goes into ``stages.json`` and ``stages.md`` in --out (default
+The median over the repeats (and the fastest run's total: on a shared machine the run least slowed by other
+processes) goes into ``stages.json`` and ``stages.md`` in --out (default
 benchmarks/results/); the machine (CPU model, cores, torch threads, load average before and after) is
 recorded with them. Rows of a previous ``stages.json`` with another --label are kept, so one file holds a
 "before" and an "after" run.
@@ -126,11 +127,13 @@ def measure(model, input_ids) -> dict[str, float]:
 
 
 def _table(rows: list[dict]) -> str:
-    head = "| model | label | " + " | ".join(STAGES) + " | norms found/folded/swapped |"
-    lines = [head, "|" + "---|" * (len(STAGES) + 3)]
+    head = "| model | label | " + " | ".join(STAGES) + " | total, fastest run | norms found/folded/swapped |"
+    lines = [head, "|" + "---|" * (len(STAGES) + 4)]
     for r in rows:
         cells = " | ".join(f"{r['median_s'][s]:.2f}" for s in STAGES)
-        lines.append(f"| {r['model']} | {r['label']} | {cells} | {'/'.join(map(str, r['norms']))} |")
+        fastest = min(run["total"] for run in r["runs_s"])
+        norms = "/".join(map(str, r["norms"]))
+        lines.append(f"| {r['model']} | {r['label']} | {cells} | {fastest:.2f} | {norms} |")
     return "\n".join(lines) + "\n"
 
 
