@@ -4,7 +4,8 @@
     python benchmarks/bench_stages.py --models gemma3-270m --repeats 5 --label after
 
 Each model is loaded once with normswap's own loader (float32, CPU); each repeat converts a fresh deep copy
-of it exactly as `normswap convert` does: `walk` on the check's token ids (the command's default: 512 tokens
+of it exactly as `normswap convert` does (or, with `--inputs library`, as `normswap.convert(model)` does, on
+the walk's default 2 x 16 ids): `walk` on the check's token ids (the command's default: 512 tokens
 of its bundled text; their first 32 since `normswap.walk.short_inputs`), then `convert(..., traced=...)`.
 Every stage is timed with `time.perf_counter` around the function that does it (patched in for the run,
 restored after):
@@ -106,7 +107,8 @@ def _timers(times: dict[str, float]):
 
 
 def measure(model, input_ids) -> dict[str, float]:
-    """One walk + convert of a deep copy of ``model`` on ``input_ids``: seconds per stage."""
+    """One walk + convert of a deep copy of ``model`` on ``input_ids`` (None: the library's default inputs,
+    as ``normswap.convert(model)``): seconds per stage."""
     from normswap.convert import convert
 
     convert_mod, walk_mod = sys.modules["normswap.convert"], sys.modules["normswap.walk"]
@@ -155,8 +157,11 @@ def _machine_lines(rows: list[dict]) -> str:
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1), help="Runs per model.")
 @click.option("--tokens", default=None, type=click.IntRange(2), help="Check tokens (default: convert's).")
 @click.option("--label", default="now", show_default=True, help="Row label (e.g. before, after).")
+@click.option("--inputs", "which", type=click.Choice(["command", "library"]), default="command",
+              show_default=True, help="command: the check's ids, as `normswap convert`; library: "
+              "`normswap.convert(model)`'s default 2 x 16 ids.")  # fmt: skip
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results")
-def main(models, repeats, tokens, label, out):
+def main(models, repeats, tokens, label, which, out):
     """Time each stage of walk + fold + swap on real models; write stages.json and stages.md."""
     from normswap import io
     from normswap.check.inputs import command_input_ids
@@ -166,7 +171,11 @@ def main(models, repeats, tokens, label, out):
     rows = json.loads(path.read_text()) if path.exists() else []
     for name in [m for m in models.split(",") if m]:
         loaded = io.load_model(name)
-        ids = command_input_ids(name, loaded.model.config, loaded.tokenizer, tokens)
+        ids = (
+            command_input_ids(name, loaded.model.config, loaded.tokenizer, tokens)
+            if which == "command"
+            else None
+        )
         load_before = os.getloadavg()[0]
         runs = []
         for i in range(repeats):
@@ -175,7 +184,7 @@ def main(models, repeats, tokens, label, out):
         row = {
             "model": name,
             "label": label,
-            "tokens": int(ids.shape[-1]),
+            "tokens": int(ids.shape[-1]) if ids is not None else "2 x 16 (library default)",
             "repeats": repeats,
             "median_s": {s: round(statistics.median(r[s] for r in runs), 3) for s in STAGES},
             "runs_s": [{s: round(r[s], 3) for s in STAGES} for r in runs],
