@@ -159,7 +159,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     from normswap.check import compare, reference_outputs
     from normswap.convert import convert as convert_model
     from normswap.convert import no_norms_message
-    from normswap.walk import walk
+    from normswap.walk import short_inputs, walk
 
     _quiet_transformers()
     io.check_output_dir(output, model, overwrite=overwrite)
@@ -182,7 +182,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
     input_ids, check_input = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens)
     _step("finding the norms and their consumers ...")
-    traced = walk(loaded.model, input_ids)
+    traced = walk(loaded.model, short_inputs(input_ids))  # the dataflow does not depend on the length
     if not traced.sites:
         raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
     _step(f"running the original on {input_ids.shape[-1]} tokens ...")

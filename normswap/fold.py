@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from normswap.reads import may_read_flag, tie_configs
 from normswap.sites import NormSite
 from normswap.walk import Walk
 
@@ -31,12 +32,15 @@ class FoldPlan:
         untie: ``(module_name, attribute)`` pairs whose Parameter is shared and gets its own copy.
         untie_bytes: extra bytes the untied copies cost.
         needs_untie: names of the sites that fold only once ``untie`` is done.
+        may_read_flag: whether the walk's forward may have read ``tie_word_embeddings`` (``normswap.reads``);
+            only then does ``untie_checked`` compare outputs before and after untying.
     """
 
     sites: list[NormSite] = field(default_factory=list)
     untie: list[tuple[str, str]] = field(default_factory=list)
     untie_bytes: int = 0
     needs_untie: set[str] = field(default_factory=set)
+    may_read_flag: bool = True
 
 
 def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None = None) -> FoldPlan:
@@ -51,7 +55,7 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None
     (for example the input embedding tied to ``lm_head``), the consumer module gets its own copy when
     ``untie`` is true and the weight is held by several module attributes; otherwise the site is not folded.
     """
-    result = FoldPlan()
+    result = FoldPlan(may_read_flag=may_read_flag(walk.config_reads))
     foldable = [s for s in walk.sites if s.foldable]
     sites_of: dict[str, set[str]] = {}
     for site in foldable:
@@ -145,34 +149,39 @@ def untie_config(model: nn.Module) -> list[object]:
 
     Returns the config objects whose flag was flipped.
     """
-    config = getattr(model, "config", None)
-    if config is None:
-        return []
-    configs = {id(config): config}
-    if hasattr(config, "get_text_config"):
-        text = config.get_text_config()
-        configs[id(text)] = text
     flipped = []
-    for cfg in configs.values():
+    for cfg in tie_configs(model):
         if getattr(cfg, "tie_word_embeddings", False):
             cfg.tie_word_embeddings = False
             flipped.append(cfg)
     return flipped
 
 
+PROOF_POSITIONS = 8  # positions of the untie proof's two forwards, for token ids
+
+
 @torch.no_grad()
 def untie_checked(model: nn.Module, folding: FoldPlan, inputs=None) -> Untied:
-    """Untie what ``folding`` needs, after proving on one short forward that untying alone changes nothing.
+    """Untie what ``folding`` needs, after proving that untying alone changes nothing.
 
     Some models read ``tie_word_embeddings`` while running (T5-style decoders rescale their output when it is
-    True), so flipping the flag can change the function even before any fold. ``inputs``: the walk's
-    inputs (``normswap.walk.example_inputs``). When the outputs differ, the
-    untie is undone and the sites that needed it are dropped from ``folding`` with that reason.
+    True), so flipping the flag can change the function even before any fold. When the walk's forward read
+    neither the flag nor a config's whole state (``folding.may_read_flag`` False), the function cannot
+    depend on the flag and the untied copies hold the same values: untied at once. Otherwise two forwards,
+    before and after untying, are compared. ``inputs``: the walk's
+    inputs (``normswap.walk.example_inputs``); token ids are cut to their first ``PROOF_POSITIONS``
+    (``normswap.walk.short_inputs``): a flag read while running moves every position's output, and two
+    forwards on the check's 512 tokens cost more than the rest of a conversion (Gemma 3's head alone, 640 x
+    262144, is 86 G multiply-adds per forward). When the outputs differ, the untie is undone and the sites
+    that needed it are dropped from ``folding`` with that reason.
     """
     if not folding.untie:
         return Untied()
-    from normswap.walk import run_example
+    from normswap.walk import run_example, short_inputs
 
+    if not folding.may_read_flag:
+        return untie_parameters(model, folding.untie)
+    inputs = short_inputs(inputs, PROOF_POSITIONS)
     before = run_example(model, inputs)
     untied = untie_parameters(model, folding.untie)
     if not untied._configs or _same(before, run_example(model, inputs)):
@@ -233,10 +242,12 @@ def distinct_consumers(site: NormSite):
 def unrepresentable(model: nn.Module, site: NormSite, read: Callable | None = None) -> str | None:
     """Why folding ``site`` would store a value its consumers' dtypes cannot hold, or None when it can.
 
-    Computes every folded weight (and bias) exactly as ``fold_site`` will, in float64 blocks, without
-    writing anything: a consumer weight that is not a float (an integer weight dequantized in the forward)
-    cannot take a fold at all, and a folded value beyond the dtype's finite range (``finfo.max``: 65504 for
-    float16) would be stored as inf. Values that were already not finite before the fold are not counted.
+    Computes the folded weights' largest magnitudes (``input_peaks``; every folded entry, in float64
+    blocks, for a weight that already holds a NaN or inf) and every folded bias exactly as ``fold_site``
+    will, without writing anything: a consumer weight that is not a float (an integer weight dequantized in
+    the forward) cannot take a fold at all, and a folded value beyond the dtype's finite range
+    (``finfo.max``: 65504 for float16) would be stored as inf. Values that were already not finite before
+    the fold are not counted.
     """
     read = read or model.get_parameter
     norm = model.get_submodule(site.name)
@@ -247,12 +258,16 @@ def unrepresentable(model: nn.Module, site: NormSite, read: Callable | None = No
             return (
                 f"consumer weight {c.param} is stored as {_dtype_name(weight.dtype)}: a fold cannot be stored"
             )
-        shape = [1] * weight.ndim
-        shape[c.axis] = -1
-        parts = [
-            (c.param, weight.narrow(dim, start, length), scale.to(weight.device).reshape(shape), None)
-            for dim, start, length in _blocks(weight, c.axis)
-        ]
+        peaks = input_peaks(weight, c.axis)
+        if peaks is not None:  # all finite: the largest magnitude per input index decides (input_peaks)
+            parts = [(c.param, peaks, scale.to(weight.device).abs(), None)]
+        else:
+            shape = [1] * weight.ndim
+            shape[c.axis] = -1
+            parts = [
+                (c.param, weight.narrow(dim, start, length), scale.to(weight.device).reshape(shape), None)
+                for dim, start, length in _blocks(weight, c.axis)
+            ]
         if shift is not None and c.bias is not None:
             bias = read(c.bias)
             delta = bias_delta(weight, shift, c.axis)
@@ -271,6 +286,22 @@ def unrepresentable(model: nn.Module, site: NormSite, read: Callable | None = No
 
 
 @torch.no_grad()
+def input_peaks(weight: torch.Tensor, axis: int) -> torch.Tensor | None:
+    """``max |weight|`` over every axis but ``axis``: a vector of ``weight.shape[axis]`` entries in the
+    weight's dtype (each one of its entries' magnitudes, so exact), or None when ``weight`` holds a NaN or
+    inf.
+
+    Two reductions of the weight in its own dtype, with no temporary beyond the result. Scaling by ``s``
+    along ``axis`` overflows iff ``peaks.double() * |s|`` does somewhere: float64 rounding is monotonic, so
+    along each input index the largest product is the largest magnitude's, and ``unrepresentable`` decides
+    exactly as it would element by element, at the cost of two reads of the weight.
+    """
+    dims = [d for d in range(weight.ndim) if d != axis]
+    peaks = torch.maximum(weight.amax(dim=dims), weight.amin(dim=dims).neg()) if dims else weight.abs()
+    return peaks if bool(torch.isfinite(peaks).all()) else None
+
+
+@torch.no_grad()
 def bias_delta(weight: torch.Tensor, shift: torch.Tensor, axis: int) -> torch.Tensor:
     """``W b``: the float64 vector a consumer's bias absorbs when the norm's bias ``shift`` folds into
     ``weight`` along its input axis ``axis`` (shape: ``weight``'s shape without ``axis``)."""
@@ -281,8 +312,9 @@ def bias_delta(weight: torch.Tensor, shift: torch.Tensor, axis: int) -> torch.Te
 def scale_axis_(weight: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.Tensor:
     """Multiply ``weight`` along ``axis`` by the float64 vector ``scale``, in place, in float64 blocks.
 
-    Each block is computed as ``(block.double() * scale).to(weight.dtype)``, so the result is the rounded
-    float64 product whatever the block size; the temporary memory is at most ``_CHUNK`` float64 elements.
+    Each block is computed as ``block.double() * scale`` (in place on its float64 copy) and rounded back by
+    ``copy_``, so the result is the rounded float64 product whatever the block size; the temporary memory
+    is at most ``_CHUNK`` float64 elements.
     Returns ``weight``.
     """
     shape = [1] * weight.ndim
@@ -290,7 +322,7 @@ def scale_axis_(weight: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.T
     scale = scale.to(weight.device).reshape(shape)
     for dim, start, length in _blocks(weight, axis):
         block = weight.narrow(dim, start, length)
-        block.copy_((block.double() * scale).to(weight.dtype))
+        block.copy_(block.double().mul_(scale))
     return weight
 
 

@@ -42,14 +42,29 @@ def _normalize(x: torch.Tensor, kind: str, eps: float = 0.0) -> torch.Tensor:
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def _probe_shape(input_shape: tuple[int, ...]) -> tuple[int, ...]:
-    # The model's rank and trailing dims, but only 2 x 4 leading rows: enough samples per feature, and
-    # cheap (probing costs ~25 calls of the module).
-    if len(input_shape) >= 3:
-        return (2, 4, *input_shape[2:])
-    if len(input_shape) == 2:
-        return (8, input_shape[1])
-    return input_shape
+_SPAN = 4  # longest axis of a probe input outside its leading two and the module's parameter axes
+
+
+def _probe_shapes(module: nn.Module, input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The input shapes to probe ``module`` on, in the order to try them.
+
+    First the model's rank with 2 x 4 leading rows (8 rows for a 2-D input), the axes the module's
+    parameters and buffers cover (their trailing ``ndim`` axes) as in the model, and every other axis cut
+    to at most ``_SPAN``. An axis longer than 1 stays longer than 1, so a map over more than the last axis
+    still shows; the size stays a few thousand elements (probing costs ~25 calls of the module, and a
+    per-head norm traced on 512 tokens has a 512-long axis). Then, only for a module that raises on that
+    shape, the shape with every axis after the first two as in the model.
+    """
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    keep = max([t.ndim for t in tensors] + [1])
+    lead, tail = input_shape[: len(input_shape) - keep], tuple(input_shape[len(input_shape) - keep :])
+    if not lead:
+        return [tuple(input_shape)]
+    if len(lead) == 1:
+        return [(8, *tail)]
+    short = (2, 4, *(min(d, _SPAN) for d in lead[2:]), *tail)
+    full = (2, 4, *input_shape[2:])
+    return [short] if short == full else [short, full]
 
 
 def _broadcasts(param_shape: torch.Size, input_shape: tuple[int, ...]) -> bool:
@@ -248,23 +263,30 @@ def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = ""
 
     Raises:
         ProbeError: a candidate (a leaf whose tensors broadcast over its input) whose float64 CPU copy
-            cannot be made (an offloaded tensor without a value) or raises on a float64 CPU input of the
-            shape it took in the model: whether it is a norm is unknown, so the caller must say so.
+            cannot be made (an offloaded tensor without a value) or raises on a float64 CPU input of every
+            shape ``_probe_shapes`` gives (the model's trailing axes): whether it is a norm is unknown, so
+            the caller must say so.
     """
     if not is_candidate(module, input_shape):
         return None
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    shape = _probe_shape(input_shape)
     try:
         probe = cpu_float64_copy(module).eval()
     except ValueError as error:
         raise ProbeError(f"cannot copy it to the CPU: {error}") from error
     if nonfinite_tensors(probe):
         probe = _finite_copy(probe)
-    cpu64 = dict(generator=gen, dtype=torch.float64, device="cpu")
-    # Rows with non-zero mean, so RMS-style and mean-subtracting norms differ.
-    x = torch.randn(shape, **cpu64) * 3 + torch.randn((*shape[:-1], 1), **cpu64)
-    y = _run(probe, x, strict=True)
+    shapes = _probe_shapes(module, input_shape)
+    for i, shape in enumerate(shapes):
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        cpu64 = dict(generator=gen, dtype=torch.float64, device="cpu")
+        # Rows with non-zero mean, so RMS-style and mean-subtracting norms differ.
+        x = torch.randn(shape, **cpu64) * 3 + torch.randn((*shape[:-1], 1), **cpu64)
+        try:
+            y = _run(probe, x, strict=True)
+            break
+        except ProbeError:
+            if i == len(shapes) - 1:
+                raise
     if y is None:
         return None
     scaled = _run(probe, x * 4.0)

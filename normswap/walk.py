@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 from normswap import dimmap
 from normswap.device import exact_float32, model_device, refuse_offloaded
 from normswap.probe import ProbeError, is_candidate, nonfinite_tensors, probe_module
+from normswap.reads import read_names, tie_configs
 from normswap.sites import Consumer, NormSite
 
 log = logging.getLogger("normswap")
@@ -141,6 +142,8 @@ class Walk:
             depends on them, but a consumer hidden among them would not be seen.
         probe_failures: norm candidates whose probe failed unexpectedly: module name -> error (each also
             logged as a warning); such a module may be a norm that is left out of ``sites``.
+        config_reads: attribute names the traced forward read on the config objects untying would change
+            (``normswap.reads``); None when not recorded.
     """
 
     sites: list[NormSite]
@@ -148,6 +151,7 @@ class Walk:
     owners: dict[str, list[tuple[str, str]]]
     untouched: list[str]
     probe_failures: dict[str, str] = field(default_factory=dict)
+    config_reads: frozenset[str] | None = None
 
 
 class _Tracer(TorchFunctionMode):
@@ -178,6 +182,7 @@ class _Tracer(TorchFunctionMode):
         self.called: set[int] = set()  # id of every module the forward ran
         self.first_args: dict[int, tuple] = {}  # id(module) -> (args, kwargs) of its first call, if tagged
         self.finished: set[int] = set()  # id of every module whose first call has returned
+        self.config_reads: set[str] = set()  # attribute names the forward read on the tie configs
 
     # -- module hooks -------------------------------------------------------------------------------------
     def pre_hook(self, module, args):
@@ -528,6 +533,17 @@ class ExampleInputs:
 
 Inputs = torch.Tensor | ExampleInputs | None  # input_ids, explicit example inputs, or the default ids
 
+SHORT_POSITIONS = 32  # positions of a short forward (as the streamed walk's WALK_TOKENS)
+
+
+def short_inputs(inputs: Inputs, positions: int = SHORT_POSITIONS) -> Inputs:
+    """``inputs`` for a forward whose outcome does not depend on the sequence length (the trace's dataflow,
+    the untie proof): token ids (a ``(batch, seq)`` tensor) cut to their first ``positions``; None and
+    explicit ``ExampleInputs`` as given (nothing is known about their axes)."""
+    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and inputs.shape[-1] > positions:
+        return inputs[:, :positions]
+    return inputs
+
 
 def example_inputs(model: nn.Module, inputs: Inputs = None) -> ExampleInputs:
     """The inputs of the walk's forward.
@@ -567,9 +583,25 @@ def run_example(model: nn.Module, inputs: Inputs = None):
             m.training = mode
 
 
-def trace(model: nn.Module, inputs: Inputs = None) -> tuple[_Tracer, object]:
-    """Run one forward of ``model`` under the tracer and return it with the model's output."""
+def trace_example(model: nn.Module, inputs: Inputs = None) -> ExampleInputs:
+    """The traced forward's inputs: ``example_inputs``, plus ``logits_to_keep=1`` where the forward names
+    that argument (not for explicit ``ExampleInputs``, which are used exactly as given).
+
+    The head then maps one position, not all: the trace follows the same ops (the final norm's output is
+    sliced along the positions, ``__getitem__``, then read by the head's linear map), and the head's
+    ``(positions, vocabulary)`` logits, most of the forward's cost for a large vocabulary (Gemma 3's
+    262144 entries), are not computed. Only the trace does this; ``run_example`` keeps every position.
+    """
     example = example_inputs(model, inputs)
+    if isinstance(inputs, ExampleInputs) or "logits_to_keep" not in _named_arguments(model):
+        return example
+    return ExampleInputs(example.args, {**example.kwargs, "logits_to_keep": 1})
+
+
+def trace(model: nn.Module, inputs: Inputs = None) -> tuple[_Tracer, object]:
+    """Run one forward of ``model`` under the tracer (on ``trace_example``) and return it with the model's
+    output."""
+    example = trace_example(model, inputs)
     tracer = _Tracer(model)
     modes = {m: m.training for m in model.modules()}
     for m in modes:
@@ -579,15 +611,21 @@ def trace(model: nn.Module, inputs: Inputs = None) -> tuple[_Tracer, object]:
         nn.modules.module.register_module_forward_hook(tracer.post_hook, with_kwargs=True),
     ]
     try:
-        with torch.no_grad(), tracer:
+        with torch.no_grad(), read_names(tie_configs(model)) as reads, tracer:
             output = model(*example.args, **example.kwargs)
             tracer.replay_idle_siblings(model)
+        tracer.config_reads = reads
     finally:
         for h in handles:
             h.remove()
         for m, mode in modes.items():
             m.training = mode
     return tracer, output
+
+
+def _named_arguments(model: nn.Module) -> set[str]:
+    """The names of ``model.forward``'s arguments (not what ``**kwargs`` would take)."""
+    return set(inspect.signature(model.forward).parameters)
 
 
 def _accepts(model: nn.Module, keyword: str) -> bool:
@@ -631,7 +669,7 @@ def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
             _guard_untouched(site, untouched, tracer.params)
     return Walk(
         sites=sites, param_uses=dict(tracer.param_uses), owners=dict(tracer.owners), untouched=untouched,
-        probe_failures=failures,
+        probe_failures=failures, config_reads=frozenset(tracer.config_reads),
     )  # fmt: skip
 
 

@@ -184,3 +184,170 @@ def test_weight_shared_by_two_uses_is_not_folded(raw_use):
         ]
     with torch.no_grad():
         torch.testing.assert_close(model(ids), expected, rtol=0, atol=1e-5)
+
+
+# -- the overflow test reads each consumer weight once (input_peaks) -----------------------------------------
+
+
+def _elementwise_verdict(weight: torch.Tensor, scale: torch.Tensor) -> str | None:
+    """The overflow test element by element, independent of normswap: every folded entry in float64."""
+    after = weight.double() * scale.reshape(1, -1)
+    limit = torch.finfo(weight.dtype).max
+    bad = (~torch.isfinite(after) | (after.abs() > limit)) & torch.isfinite(weight)
+    if not bad.any():
+        return None
+    name = str(weight.dtype).removeprefix("torch.")
+    return f"fold overflows {name} (proj.weight would need {after[bad].abs().max().item():.3g} > {limit:.6g})"
+
+
+class _NormProj(nn.Module):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.norm = nn.RMSNorm(weight.shape[1], dtype=torch.float64)
+        self.proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+        with torch.no_grad():
+            self.norm.weight.copy_(scale)
+            self.proj.weight.copy_(weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", ["fits", "just over", "at the limit", "negative", "non-finite weight"])
+def test_overflow_verdict_equals_the_elementwise_test(dtype, case):
+    from normswap.fold import unrepresentable
+
+    gen = torch.Generator().manual_seed(0)
+    limit = torch.finfo(dtype).max
+    weight = ((torch.rand(300, 24, generator=gen) - 0.5) * 2).to(dtype)
+    scale = torch.rand(24, generator=gen, dtype=torch.float64) + 0.5
+    big = torch.tensor(limit / 4, dtype=dtype)  # exactly representable (a power-of-two fraction of max)
+    if case == "just over":
+        weight[17, 5] = big
+        scale[5] = 4.0 * (1 + 2**-20)
+    elif case == "at the limit":
+        weight[17, 5] = big
+        scale[5] = 4.0  # big * 4 == max exactly: fits
+    elif case == "negative":
+        weight[3, 9] = -big
+        scale[9] = -4.5
+    elif case == "non-finite weight":  # not counted, and the other entries still are
+        weight[0, 0], weight[1, 2] = float("inf"), float("nan")
+        weight[17, 5] = big
+        scale[5] = 4.5
+    model = _NormProj(weight, scale)
+    consumer = Consumer(module="proj", param="proj.weight", op="linear", axis=1)
+    site = NormSite(name="norm", kind="rmsnorm", offset=0.0, eps=1e-6, weight="weight", bias=None,
+                    shape=(24,), cast_order="fp32", dtype="float64", consumers=[consumer])  # fmt: skip
+    expected = _elementwise_verdict(model.proj.weight.detach(), scale)
+    assert (expected is None) == (case in ("fits", "at the limit"))
+    assert unrepresentable(model, site) == expected
+
+
+def test_input_peaks_are_the_largest_magnitude_per_input_index(monkeypatch):
+    import normswap.fold as fold
+
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(4, 37, 6, generator=gen)  # stacked experts, input axis 1
+    expected = weight.abs().amax(dim=(0, 2))
+    monkeypatch.setattr(fold, "_CHUNK", 30)  # many blocks
+    assert torch.equal(fold.input_peaks(weight, 1), expected)
+    assert torch.equal(fold.input_peaks(weight.transpose(0, 1).contiguous(), 0), expected)
+    weight[2, 3, 1] = float("nan")
+    assert fold.input_peaks(weight, 1) is None
+
+
+class _ReadsTieFlag(nn.Module):
+    """A tied LM that reads ``config.tie_word_embeddings`` while running (as T5 v1.0 and UDOP do): it
+    halves its logits when the flag is set, so untying it changes its outputs at every position."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = tiny_model("llama", tie_word_embeddings=True)
+        self.config = self.inner.config
+
+    def get_input_embeddings(self):
+        return self.inner.get_input_embeddings()
+
+    def forward(self, input_ids, **kwargs):
+        logits = self.inner(input_ids=input_ids, **kwargs).logits
+        return logits * 0.5 if self.config.tie_word_embeddings else logits
+
+
+def test_untie_proof_on_the_first_positions_still_refuses_a_model_that_reads_the_flag():
+    model = _ReadsTieFlag()
+    ids = torch.randint(0, model.config.vocab_size, (1, 120), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(ids)
+    forwarded = []
+    hook = model.register_forward_pre_hook(lambda m, a, kwargs: forwarded.append(kwargs), with_kwargs=True)
+    report = normswap.convert(model, input_ids=ids)
+    hook.remove()
+    final = next(s for s in report.sites if s.name == "inner.model.norm")
+    assert not final.folded and final.reason.startswith("the model reads tie_word_embeddings while running")
+    assert report.untied == [] and model.config.tie_word_embeddings is True
+    assert model.inner.lm_head.weight is model.inner.model.embed_tokens.weight
+    proof = forwarded[1:]  # after the walk's forward, then the untie proof's two
+    assert len(proof) == 2 and all(f["input_ids"].shape == (1, 8) for f in proof)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), expected, rtol=0, atol=1e-5)
+
+
+class _ReadsWholeConfig(_ReadsTieFlag):
+    """Reads the config's state wholesale (``to_dict``, through ``__dict__``), never the flag by name: its
+    outputs do not depend on the flag, but the walk cannot tell, so the proof's forwards run."""
+
+    def forward(self, input_ids, **kwargs):
+        assert isinstance(self.config.to_dict(), dict)
+        return self.inner(input_ids=input_ids, **kwargs).logits
+
+
+def _forwards(model):
+    calls = []
+    hook = model.register_forward_pre_hook(lambda m, a, kwargs: calls.append(kwargs), with_kwargs=True)
+    return calls, hook
+
+
+def test_untie_without_forwards_when_the_walk_never_read_the_flag():
+    model = tiny_model("llama", tie_word_embeddings=True)
+    ids = example_ids()
+    expected = _logits(model, ids)
+    calls, hook = _forwards(model)
+    report = normswap.convert(model, input_ids=ids)
+    hook.remove()
+    assert len(calls) == 1  # the walk's; no proof forwards
+    assert report.untied == ["lm_head.weight"] and model.config.tie_word_embeddings is False
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert report.norms_folded == report.norms_found
+    torch.testing.assert_close(_logits(model, ids), expected, rtol=0, atol=1e-5)
+
+
+def test_a_config_read_wholesale_runs_the_proof_and_unties():
+    model = _ReadsWholeConfig()
+    ids = example_ids()
+    with torch.no_grad():
+        expected = model(ids)
+    calls, hook = _forwards(model)
+    report = normswap.convert(model, input_ids=ids)
+    hook.remove()
+    assert len(calls) == 3  # the walk's, then the proof's two
+    assert report.untied == ["inner.lm_head.weight"] and model.config.tie_word_embeddings is False
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), expected, rtol=0, atol=1e-5)
+
+
+def test_read_names_records_the_watched_config_only_and_restores_its_class():
+    from transformers import LlamaConfig
+
+    from normswap.reads import may_read_flag, read_names
+
+    watched, other = LlamaConfig(), LlamaConfig()
+    before = LlamaConfig.__getattribute__
+    with read_names([watched]) as names:
+        assert watched.tie_word_embeddings is not None and other.hidden_size > 0
+    assert "__getattribute__" not in LlamaConfig.__dict__ and LlamaConfig.__getattribute__ is before
+    assert names == {"tie_word_embeddings"}
+    assert may_read_flag(frozenset(names)) and may_read_flag(None)
+    assert not may_read_flag(frozenset({"hidden_size", "use_cache"}))
+    assert may_read_flag(frozenset({"__dict__"}))
+    with pytest.raises(RuntimeError), read_names([watched]):
+        raise RuntimeError("restored on error too")
+    assert "__getattribute__" not in LlamaConfig.__dict__

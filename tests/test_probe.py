@@ -231,3 +231,70 @@ def test_custom_model_with_odd_names_converts_exactly():
     ids = torch.randint(0, 128, (3, 11), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         assert (reference(ids) - model(ids)).abs().max().item() <= 1e-5
+
+
+# -- probe input shapes: long axes cut, the parameters' axes kept -------------------------------------------
+
+
+class TwoAxisNorm(nn.Module):
+    """RMS over the last TWO axes with a per-feature weight: not a norm over the last axis alone."""
+
+    def __init__(self, d=D):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean((-2, -1), keepdim=True) + 1e-6) * self.weight
+
+
+class FixedLength(nn.Module):
+    """An RMS norm that reshapes with a hard-coded axis length (64): it only runs on inputs of that length."""
+
+    def __init__(self, d=D):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        rows = x.reshape(x.shape[0], x.shape[1], 64, x.shape[-1])
+        return (rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight).reshape(x.shape)
+
+
+def _probed_shapes(module, input_shape):
+    """Run probe_module and return (site, shapes of every input the module's copies were called with)."""
+    seen = []
+    handle = nn.modules.module.register_module_forward_pre_hook(
+        lambda m, args: seen.append(tuple(args[0].shape)) if type(m) is type(module) else None
+    )
+    try:
+        site = probe_module(module, input_shape, "m")
+    finally:
+        handle.remove()
+    return site, seen
+
+
+def test_long_axes_are_cut_and_the_norm_still_read_right():
+    # a per-head norm traced on 512 positions: (batch, heads, positions, head_dim)
+    site, seen = _probed_shapes(_randomized(Squash()), (1, 4, 512, D))
+    assert (site.kind, site.weight, site.offset, site.eps, site.shape) == ("rmsnorm", "gain", 0.0, 1e-6, (D,))
+    assert seen and all(s == (2, 4, 4, D) for s in seen)  # axes of 1 stay 1: none is made longer than 4
+    site, seen = _probed_shapes(_randomized(Squash()), (1, 1, 512, D))
+    assert site is not None and all(s == (2, 4, 4, D) for s in seen)
+    site, seen = _probed_shapes(_randomized(Squash()), (3, 1, 1, D))
+    assert site is not None and all(s == (2, 4, 1, D) for s in seen)
+
+
+def test_per_head_scale_on_a_flat_token_axis():
+    # (tokens, heads, head_dim) with a (heads, head_dim) scale: the scale's axes are kept whole
+    site, seen = _probed_shapes(_randomized(HeadGain()), (48, 4, D))
+    assert site.shape == (4, D) and all(s == (8, 4, D) for s in seen)
+
+
+def test_a_cut_axis_still_exposes_a_norm_over_two_axes():
+    assert probe_module(_randomized(TwoAxisNorm()), (2, 4, 512, D), "m") is None
+    assert probe_module(_randomized(TwoAxisNorm()), (2, 4, 2, D), "m") is None
+
+
+def test_a_module_that_needs_its_axis_length_is_probed_at_it():
+    site, seen = _probed_shapes(_randomized(FixedLength()), (1, 3, 64, D))
+    assert (site.kind, site.weight, site.eps) == ("rmsnorm", "weight", 1e-6)
+    assert seen[0] == (2, 4, 4, D) and all(s == (2, 4, 64, D) for s in seen[1:])

@@ -208,3 +208,46 @@ def test_reasons_name_the_blocking_use():
     assert t5["encoder.final_layer_norm"].reason == "output is returned as a model output"
     bloom = {s.name: s for s in normswap.inspect(tiny_model("bloom"))}
     assert "transformer.h.0.input_layernorm" in bloom["transformer.word_embeddings_layernorm"].reason
+
+
+# -- what the trace runs: one head position, the first positions of long ids ---------------------------------
+
+
+def _walk_record(result) -> tuple:
+    uses = {name: sorted(pairs) for name, pairs in result.param_uses.items()}
+    return [s.to_dict() for s in result.sites], result.untouched, result.probe_failures, uses
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3_moe", "gpt2", "t5", "bert"])
+def test_one_head_position_traces_the_same_dataflow(model_type, monkeypatch):
+    """The trace maps one position through the head (``logits_to_keep=1`` where the forward names it): the
+    walk records exactly what a trace over every position records, use by use."""
+    import normswap.walk as walk_module
+
+    model = tiny_model(model_type)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    rows = []
+    hook = head.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[-2])) if head else None
+    short = _walk_record(walk(model))
+    monkeypatch.setattr(walk_module, "trace_example", walk_module.example_inputs)
+    full = _walk_record(walk(model))
+    if hook is not None:
+        hook.remove()
+    assert short == full
+    takes = "logits_to_keep" in walk_module._named_arguments(model)
+    assert takes == (model_type not in ("t5", "bert"))  # BertModel: no head; T5: no such argument
+    if takes:
+        assert rows == [1, 16]  # one position in the trace, all 16 without it
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "gemma3_text"])
+def test_first_positions_of_long_ids_trace_the_same_dataflow(model_type):
+    """``short_inputs`` (what ``normswap convert`` traces: the first 32 check tokens) finds what 200 do."""
+    from normswap.walk import SHORT_POSITIONS, short_inputs
+
+    model = tiny_model(model_type)
+    ids = torch.randint(0, model.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(5))
+    assert short_inputs(ids).shape == (1, SHORT_POSITIONS) and torch.equal(short_inputs(ids), ids[:, :32])
+    assert _walk_record(walk(model, short_inputs(ids))) == _walk_record(walk(model, ids))
+    few = ids[:, :7]
+    assert short_inputs(few) is few and short_inputs(None) is None
