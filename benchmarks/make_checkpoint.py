@@ -144,7 +144,7 @@ def write_checkpoint(
     gemma: bool = False,
 ) -> Path:
     """Write the checkpoint of ``config`` into ``out`` (which must not exist); returns ``out``."""
-    from normswap.io.save import apply_umask
+    from normswap.io.files import apply_umask
     from normswap.stream.shards import ShardWriter, nbytes, write_index
 
     params = _params(config, dtype)

@@ -258,12 +258,16 @@ def _convert_streamed(model, output, report, max_memory, *, norm, dtype, trust_r
         if not passed:
             raise SystemExit(1)
         return True
+    verify_failed = not report_dict.get("verify", {}).get("passed", True)
+    saved = (passed and not verify_failed) or force
+    report_dict["saved"] = saved
     if report is not None:
         io.write_json(report, report_dict)
-    click.echo(_summary(report_dict, output if (passed or force) else None, report))
-    if not passed:
+    click.echo(_summary(report_dict, output if saved else None, report))
+    if not passed or verify_failed:
+        what = "check FAILED" if not passed else "verification of the saved checkpoint FAILED"
         click.echo(
-            "normswap: check FAILED" + ("; saved anyway (--force)" if force else "; nothing saved"), err=True
+            f"normswap: {what}" + ("; saved anyway (--force)" if force else "; nothing saved"), err=True
         )
         raise SystemExit(1)
     return True

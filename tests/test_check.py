@@ -24,6 +24,7 @@ from normswap.check import check, compare, default_input_ids, default_text, refe
 from normswap.check.metrics import logit_metrics, next_token_targets, summarize_logits
 from normswap.check.policy import default_tolerance, judge
 from normswap.sites import Consumer, NormSite
+from normswap.stream.records import DiskRecords
 
 
 # ---------------------------------------------------------------- helpers (also used by test_evaluate)
@@ -189,16 +190,20 @@ def test_correct_manual_fold_passes(model_type, input_ids):
     assert result.peak_rss_mib > 0 and result.reference_mib > 0
 
 
+@pytest.mark.parametrize("records", [None, DiskRecords], ids=["in-memory", "on-disk"])
 @pytest.mark.parametrize(
     "bad_site", ["model.layers.0.input_layernorm", "model.layers.1.post_attention_layernorm"]
 )
-def test_gemma_offset_ignored_fails_and_is_localized(bad_site, input_ids):
+def test_gemma_offset_ignored_fails_and_is_localized(bad_site, records, input_ids):
+    """Also with the localization records in a temporary file (``DiskRecords``, the streamed path's)."""
     original = make_tiny_model("gemma", tie_word_embeddings=False)
     converted = copy.deepcopy(original)
     sites = decoder_sites(converted)
-    reference = reference_outputs(original, input_ids, sites=sites)
+    reference = reference_outputs(original, input_ids, sites=sites, records=records)
     manual_fold(converted, sites, ignore_offset_at={bad_site})
-    result = compare(reference, converted, input_ids, sites=sites)
+    result = compare(reference, converted, input_ids, sites=sites, records=records)
+    if records is not None:
+        assert isinstance(reference.captures, DiskRecords) and len(reference.captures) > 0
     assert not result.passed
     assert result.max_abs_logit_diff > 1e-2  # measured ~0.5
     ref = fp64_reference(original, converted, input_ids)

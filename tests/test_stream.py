@@ -24,6 +24,7 @@ from normswap.cli import main
 from normswap.io import plain_float_checkpoint
 from normswap.stream import convert as stream_convert
 from normswap.stream.model import build, is_released
+from normswap.stream.records import DiskRecords
 from normswap.stream.shards import INDEX, CheckpointReader, ShardWriter
 
 TOKENS = "64"
@@ -70,7 +71,19 @@ def convert_both(src: Path, tmp_path: Path, *extra) -> tuple[Path, Path]:
     assert r.exit_code == 0, r.output
     r = run("convert", src, "--output", streamed, "--tokens", TOKENS, "--max-memory", "4KB", *extra)
     assert r.exit_code == 0, r.output
+    assert_verified(streamed, r.output)
     return memory, streamed
+
+
+def assert_verified(folder: Path, output: str) -> dict:
+    """The streamed output was verified by a fresh load: every tensor written, the checked logits."""
+    verify = json.loads((folder / "normswap.json").read_text())["verify"]
+    assert verify["passed"] and verify["failures"] == [], verify
+    assert verify["tensors"] == len(CheckpointReader(folder).tensors)
+    assert verify["tokens"] == 16 and verify["max_abs_diff"] == 0.0
+    assert verify["architecture"] == verify["expected_architecture"]
+    assert "verified: fresh load as " in output and "streamed fresh load" in output
+    return verify
 
 
 # Four rows cover the kinds (tied lm_head, (1+w) sandwich norms, Conv1D, matmul on a derived weight) in
@@ -216,6 +229,98 @@ def test_failed_check_or_interrupt_leaves_no_output(tokenizer, tmp_path, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+def _flip_low_bit(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a float32 tensor with the lowest mantissa bit of its first element flipped (1 ulp)."""
+    out = tensor.clone()
+    out.view(torch.int32).view(-1)[0] ^= 1
+    return out
+
+
+CORRUPTED = "model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_corrupted_written_tensor_fails_verification(force, tokenizer, tmp_path, monkeypatch):
+    """A tensor written with other bytes than were made (1 ulp of one element): the check, which streams the
+    written shards, cannot see it (measured logit change < 1e-6); the digest of the fresh read does. Exit 1;
+    the output is removed, or kept with the failure in its report under --force."""
+    src = save_sharded(make_tiny_model("llama"), tokenizer, tmp_path / "src")
+    real_write = ShardWriter.write
+
+    def corrupting(self, name, tensor):
+        real_write(self, name, _flip_low_bit(tensor) if name == CORRUPTED else tensor)
+
+    monkeypatch.setattr(ShardWriter, "write", corrupting)
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    extra = ["--force"] if force else []
+    r = run(
+        "convert", src, "--output", out, "--tokens", TOKENS, "--max-memory", "4KB", "--report", report, *extra
+    )
+    assert r.exit_code == 1
+    assert "PASSED" in r.stdout and "verified: FAILED" in r.stdout
+    assert "verification of the saved checkpoint FAILED" in r.stderr
+    verify = json.loads(report.read_text())["verify"]
+    assert not verify["passed"]
+    assert verify["failures"] == [f"{CORRUPTED} is saved with other values than were written and checked"]
+    assert verify["max_abs_diff"] == 0.0  # the fresh load reads the bytes the check read
+    if force:
+        assert "saved anyway (--force)" in r.stderr
+        assert json.loads((out / "normswap.json").read_text())["verify"] == verify
+    else:
+        assert "nothing saved" in r.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "src"]
+
+
+def test_output_changed_after_the_check_fails_verification(tokenizer, tmp_path, monkeypatch):
+    """Bytes of a shard changed between the check and the verification: the digest and the logits of the
+    fresh streamed load both differ from what was checked."""
+    src = save_sharded(make_tiny_model("llama"), tokenizer, tmp_path / "src")
+    from normswap.io import save
+
+    real_replace = save._replace_dir
+
+    def replace_then_corrupt(built, out, overwrite):
+        real_replace(built, out, overwrite)
+        reader = CheckpointReader(out)
+        info = reader.tensors[CORRUPTED]
+        with open(out / info.file, "r+b") as f:  # the first element becomes 1e3
+            f.seek(info.start)
+            f.write(torch.tensor([1e3], dtype=torch.float32).view(torch.uint8).numpy().tobytes())
+
+    monkeypatch.setattr(save, "_replace_dir", replace_then_corrupt)
+    out = tmp_path / "out"
+    r = run("convert", src, "--output", out, "--tokens", TOKENS, "--max-memory", "4KB")
+    assert r.exit_code == 1 and "nothing saved" in r.stderr
+    assert "verified: FAILED" in r.stdout and CORRUPTED in r.stdout
+    assert "logits of the reload differ by" in r.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(3, 5, dtype=torch.float64),
+        torch.randn(4, dtype=torch.float32).to(torch.bfloat16),
+        torch.arange(6).reshape(2, 1, 3),
+        torch.zeros(0, 4),
+        torch.tensor(2.5),
+    ],
+)
+def test_disk_records_round_trip(tensor):
+    records = DiskRecords()
+    records["a"] = torch.ones(2)
+    records["b"] = tensor
+    records["c"] = tensor[..., :1] if tensor.ndim else tensor  # a view: its own bytes only
+    assert list(records) == ["a", "b", "c"] and len(records) == 3
+    got = records["b"]
+    assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor)
+    assert torch.equal(records["c"], tensor[..., :1] if tensor.ndim else tensor)
+    assert torch.equal(records["a"], torch.ones(2))
+    del records["a"]
+    assert list(records) == ["b", "c"]
+    records.close()
+
+
 def test_shard_writer_reads_back_with_safetensors(tmp_path):
     tensors_in = {
         "a": torch.randn(3, 5),
@@ -268,3 +373,4 @@ def test_two_processes_write_the_same_bytes(tokenizer, tmp_path):
     for name in [*files, INDEX]:
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
     assert json.loads((two / "normswap.json").read_text())["streamed"]["processes"] == 2
+    assert_verified(two, done.stdout)  # the digests of both processes' shards

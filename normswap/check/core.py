@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import resource
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,7 +41,8 @@ class Reference:
         upcast: for half-precision models, the float32-upcast original's outputs (or their summary).
         original_error: for half-precision models, the original's own metrics against ``upcast``.
         probes, captures: the localization plan and the original's sampled records (see ``localize``);
-            for half precision the records of the float32-upcast run.
+            for half precision the records of the float32-upcast run (a dict, or the mapping that
+            ``reference_outputs``'s ``records`` made).
         captures_error: half precision: the original's own relative error per record against ``captures``.
         sites: the ``NormSite`` records or names given.
         greedy: ``(B, N)`` long, the original's greedy continuation, or ``None``.
@@ -55,7 +57,7 @@ class Reference:
     upcast: torch.Tensor | LogitSummary | None = None
     original_error: dict | None = None
     probes: list[Probe] = field(default_factory=list)
-    captures: dict[str, torch.Tensor] = field(default_factory=dict)
+    captures: Mapping[str, torch.Tensor] = field(default_factory=dict)
     captures_error: dict[str, float] | None = None
     sites: list = field(default_factory=list)
     greedy: torch.Tensor | None = None
@@ -63,8 +65,9 @@ class Reference:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the tensors of this record."""
-        total = sum(t.numel() * t.element_size() for t in self.captures.values())
+        """Bytes held in memory by the tensors of this record (captures kept elsewhere not counted)."""
+        captures = self.captures.values() if isinstance(self.captures, dict) else ()
+        total = sum(t.numel() * t.element_size() for t in captures)
         for part in (self.outputs, self.summary, self.upcast):
             if isinstance(part, torch.Tensor):
                 total += part.numel() * part.element_size()
@@ -239,6 +242,7 @@ def reference_outputs(
     sites=None,
     greedy_tokens: int = 0,
     max_logits_bytes: int = MAX_LOGITS_BYTES,
+    records: Callable[[], MutableMapping[str, torch.Tensor]] | None = None,
 ) -> Reference:
     """Run the original model once and keep only what :func:`compare` needs (call BEFORE converting in place).
 
@@ -256,6 +260,8 @@ def reference_outputs(
             divergence; ``None`` skips localization.
         greedy_tokens: new tokens to generate greedily for the generation-agreement metric.
         max_logits_bytes: above this many bytes the logits are summarized instead of kept.
+        records: makes the mapping each localization capture records into (default: a dict in memory;
+            ``normswap.stream.records.DiskRecords`` keeps them in a temporary file).
 
     Raises:
         ValueError: if ``input_ids`` is not a 2-D integer tensor with at least 2 positions.
@@ -268,13 +274,13 @@ def reference_outputs(
     targets = next_token_targets(input_ids)
     dtype = dtype_name(_model_dtype(model))
     probes = plan_probes(model, sites) if sites else []
-    with Capture(model, probes, input_ids) as cap:
+    with Capture(model, probes, input_ids, records and records()) as cap:
         kind, outputs = _forward(model, input_ids)
     _refuse_nonfinite(outputs, input_ids, kind, "")
     ref = Reference(input_ids, kind, dtype, *_keep(outputs, targets, kind, max_logits_bytes))
     ref.probes, ref.captures, ref.sites = probes, cap.records, list(sites or [])
     if dtype in HALF:
-        with upcast(model), Capture(model, probes, input_ids) as cap32:
+        with upcast(model), Capture(model, probes, input_ids, records and records()) as cap32:
             _, up = _forward(model, input_ids)
         _refuse_nonfinite(up, input_ids, kind, " in float32")
         ref.captures_error = rel_errors(cap32.records, ref.captures)
@@ -297,6 +303,7 @@ def compare(
     tolerance: dict | None = None,
     *,
     sites=None,
+    records: Callable[[], MutableMapping[str, torch.Tensor]] | None = None,
 ) -> CheckResult:
     """Run the converted model on the reference's input and judge it (see ``policy`` for the rules).
 
@@ -309,6 +316,8 @@ def compare(
             ``localize_rtol``).
         sites: ``NormSite`` records after conversion (their ``folded``/``swapped``/``reason`` describe a
             divergence); defaults to the sites given to ``reference_outputs``.
+        records: makes the mapping the converted model's localization records go into (as in
+            :func:`reference_outputs`).
 
     Returns:
         :class:`CheckResult`; ``divergence`` names the first diverging site when probes were recorded.
@@ -322,7 +331,7 @@ def compare(
     ids = reference.input_ids
     targets = next_token_targets(ids)
     tol = default_tolerance(reference.dtype) | dict(tolerance or {})
-    with Capture(converted_model, reference.probes, ids) as cap:
+    with Capture(converted_model, reference.probes, ids, records and records()) as cap:
         kind, conv = _forward(converted_model, ids)
     ref_out = reference.outputs if reference.outputs is not None else reference.summary
     if kind != reference.output or conv.shape[0] != ids.numel():

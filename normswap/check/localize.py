@@ -19,6 +19,7 @@ for SmolLM2-135M. A fold error hits every token, so the sample sees it; a point 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -94,14 +95,22 @@ def _sample(t: torch.Tensor, batch: int, seq: int, positions: torch.Tensor) -> t
 class Capture:
     """Context manager: records the probes' sampled tensors during forwards run inside it.
 
-    ``records`` maps ``"module:where#call"`` to a float64 tensor, in firing order (dicts keep order).
+    ``records`` maps ``"module:where#call"`` to a float64 tensor, in firing order (dicts keep order). It is
+    a new dict, or ``records`` when given (any mutable mapping that keeps insertion order, e.g.
+    ``normswap.stream.records.DiskRecords``, which keeps the tensors on disk).
     """
 
-    def __init__(self, model: torch.nn.Module, probes: list[Probe], input_ids: torch.Tensor):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        probes: list[Probe],
+        input_ids: torch.Tensor,
+        records: MutableMapping[str, torch.Tensor] | None = None,
+    ):
         self.model, self.probes = model, probes
         self.batch, self.seq = input_ids.shape
         self.positions = sample_positions(self.seq)
-        self.records: dict[str, torch.Tensor] = {}
+        self.records: MutableMapping[str, torch.Tensor] = {} if records is None else records
         self._handles: list = []
         self._calls: dict[str, int] = {}
 
@@ -148,8 +157,9 @@ def _action(site) -> str:
     return f"{text} ({site.reason})" if site.reason else text
 
 
-def rel_errors(ref: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> dict[str, float]:
-    """``||other - ref||_F / ||ref||_F`` per record key (``inf`` where missing or of another shape)."""
+def rel_errors(ref: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """``||other - ref||_F / ||ref||_F`` per record key (``inf`` where missing or of another shape); reads
+    one record of each at a time."""
     out = {}
     for key, a in ref.items():
         b = other.get(key)
@@ -160,8 +170,8 @@ def rel_errors(ref: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> 
 
 def localize(
     probes: list[Probe],
-    ref: dict[str, torch.Tensor],
-    conv: dict[str, torch.Tensor],
+    ref: Mapping[str, torch.Tensor],
+    conv: Mapping[str, torch.Tensor],
     rtol: float,
     sites=(),
     own: dict[str, float] | None = None,

@@ -2,13 +2,16 @@
 
 1. walk: ``normswap.walk.walk`` on a streamed model (``stream.model``: norm parameters resident, every
    larger weight read from its shard as its module runs), on the first ``WALK_TOKENS`` of the check's ids;
-2. reference logits of the original, streamed the same way;
+2. reference logits of the original, streamed the same way (the localization records in a temporary file,
+   ``stream.records``, so the memory does not grow with the layer count);
 3. ``normswap.fold.plan``; untying proved on two streamed forwards as ``normswap.fold.untie_checked`` does;
 4. every output shard written tensor by tensor with the plan applied (``stream.plan``), into a temporary
    directory beside the output, in the input's shard layout, with its index;
 5. the check: the written checkpoint, streamed, with the fused norms swapped in, against the reference
    (``normswap.check.compare``: same text, tolerance policy and localization);
-6. the temporary directory becomes the output with one rename (``normswap.io.save``), or is removed.
+6. the temporary directory becomes the output with one rename (``normswap.io.save``), or is removed;
+7. the output verified by a fresh streamed load (``stream.verify``: the digest of every tensor as written,
+   the checked model's outputs); a failure removes it again unless ``force``.
 
 Under ``accelerate launch`` (``torch.distributed`` initialized, ``stream.dist``) every process walks and
 plans, process r writes the shards r, r+K, ...; process 0 writes the index, config, tokenizer and report,
@@ -21,6 +24,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,13 +36,16 @@ from normswap.errors import NormswapError
 from normswap.stream import dist
 from normswap.stream.model import Streamed, StreamedParameter, build, is_released
 from normswap.stream.plan import layout, make_tensor, tensor_plans
+from normswap.stream.records import DiskRecords
 from normswap.stream.shards import INDEX, CheckpointReader, ShardWriter, nbytes, write_index
+from normswap.stream.verify import fingerprint, record, verify_streamed
+from normswap.walk import SHORT_POSITIONS
 
 # The walk keeps every activation it follows until it ends (about 0.9 GB on 512 tokens of a 1.1B Llama), so
-# the streamed walk traces the first WALK_TOKENS tokens of the check's text. The dataflow it records does
-# not depend on the length; tests/test_stream.py compares the outputs with the in-memory path, which walks
-# all the check's tokens.
-WALK_TOKENS = 32
+# the streamed walk traces the first WALK_TOKENS tokens of the check's text, as the in-memory convert does
+# (``normswap.walk.short_inputs``). The dataflow it records does not depend on the length
+# (tests/test_walk.py); tests/test_stream.py compares the outputs with the in-memory path's.
+WALK_TOKENS = SHORT_POSITIONS
 
 
 @dataclass
@@ -166,16 +173,19 @@ def _libc():
 
 
 def unmap_freed_weights() -> None:
-    """On glibc, serve every block of 1 MiB or more with its own memory map, returned to the OS when freed.
+    """On glibc, serve every block of 128 KiB or more with its own memory map, returned to the OS when freed.
 
     By default glibc raises that threshold to the size of the last large block freed (up to 32 MiB), so the
     weights of a streamed forward come from the heap, where the small tensors allocated in between pin
-    them: measured, the peak then grew by about 20 MB per Llama layer (hidden 1024); with a fixed threshold
-    it stays flat. Process-wide (``mallopt(M_MMAP_THRESHOLD)``); other allocators are left alone.
+    them: measured, the peak then grew by about 20 MB per Llama layer (hidden 1024). A fixed 1 MiB
+    threshold left about 1 MB per layer: activations of 128 KiB-1 MiB (a k/v projection of 512 tokens,
+    the check's float64 samples) fragment the heap. At 128 KiB (glibc's initial value, kept fixed) a
+    streamed forward's RSS stays flat from layer to layer. Process-wide (``mallopt(M_MMAP_THRESHOLD)``);
+    other allocators are left alone.
     """
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (also turns off the dynamic threshold)
+        libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD (also turns off the dynamic threshold)
 
 
 def release_memory() -> None:
@@ -190,20 +200,22 @@ def release_memory() -> None:
 
 
 def _untie_checked(streamed: Streamed, folding, input_ids: torch.Tensor) -> list[str]:
-    """``normswap.fold.untie_checked`` for a streamed model: untie what ``folding`` needs when two forwards
-    prove that untying (and clearing ``tie_word_embeddings``) alone changes nothing; returns the names."""
-    from normswap.fold import _same, untie_config
-    from normswap.walk import run_example
+    """``normswap.fold.untie_checked`` for a streamed model: untie what ``folding`` needs, with the same proof
+    under the same rule (two forwards on the first ``fold.PROOF_POSITIONS`` tokens, run only when the walk's
+    forward may have read ``tie_word_embeddings``: ``folding.may_read_flag``); returns the names."""
+    from normswap.fold import PROOF_POSITIONS, _same, untie_config
+    from normswap.walk import run_example, short_inputs
 
     if not folding.untie:
         return []
     model = streamed.model
-    before = run_example(model, input_ids)
+    inputs = short_inputs(input_ids, PROOF_POSITIONS)
+    before = run_example(model, inputs) if folding.may_read_flag else None
     old = [(model.get_submodule(m), a, model.get_submodule(m)._parameters[a]) for m, a in folding.untie]
     names = streamed.untie(folding.untie)
     embedding = model.get_input_embeddings()
     configs = untie_config(model) if any(p is embedding.weight for _, _, p in old) else []
-    if not configs or _same(before, run_example(model, input_ids)):
+    if not configs or before is None or _same(before, run_example(model, inputs)):
         return names
     for module, attr, p in old:
         setattr(module, attr, p)
@@ -217,14 +229,24 @@ def _untie_checked(streamed: Streamed, folding, input_ids: torch.Tensor) -> list
     return []
 
 
-def write_shards(reader: CheckpointReader, plans, dtype: torch.dtype, folder: Path, files: list[str]) -> None:
-    """Write the output shards ``files`` (the input's shard names) into ``folder``, tensor by tensor."""
+def write_shards(
+    reader: CheckpointReader,
+    plans,
+    dtype: torch.dtype,
+    folder: Path,
+    files: list[str],
+    written: dict | None = None,
+) -> None:
+    """Write the output shards ``files`` (the input's shard names) into ``folder``, tensor by tensor; each
+    tensor's ``stream.verify.fingerprint`` goes into ``written`` (name -> fingerprint) when given."""
     shards = layout(reader, plans, dtype)
     for file in files:
         writer = ShardWriter(folder / file, shards[file])
         try:
             for name, _, _ in shards[file]:
                 tensor = make_tensor(reader, plans, name, dtype)
+                if written is not None:
+                    written[name] = fingerprint(tensor)
                 writer.write(name, tensor)
                 del tensor
                 release_memory()
@@ -271,7 +293,9 @@ def convert_streamed(
         step: called with a progress message before each stage.
 
     Returns:
-        ``(report dict as normswap.json holds it, whether the check passed)``.
+        ``(report dict as normswap.json holds it, whether the check passed)``. When the output was moved
+        into place, the report's ``"verify"`` holds ``stream.verify.verify_streamed``'s result on it; a
+        failed verification without ``force`` removes the output again (``verify.passed`` False).
 
     Raises:
         NormswapError: bad input, a model that cannot be streamed, or a write the disk refuses; the
@@ -287,6 +311,12 @@ def convert_streamed(
 
     out = Path(output).expanduser().resolve()
     unmap_freed_weights()
+    # the localization records of the check (a few positions at every probe point: O(layers)) go to a file
+    spill = out.parent if out.parent.is_dir() and os.access(out.parent, os.W_OK) else None
+
+    def records():
+        return DiskRecords(spill)
+
     streamed = build(source.config, source.reader, source.dtype)
     step("finding the norms and their consumers (streamed) ...")
     walk_ids = input_ids[:, :WALK_TOKENS]
@@ -297,7 +327,9 @@ def convert_streamed(
     reference = None
     if dist.is_main():  # only the main process checks
         step(f"running the original on {input_ids.shape[-1]} tokens (streamed) ...")
-        reference = _guarded(lambda: reference_outputs(streamed.model, input_ids, sites=traced.sites), source)
+        reference = _guarded(
+            lambda: reference_outputs(streamed.model, input_ids, sites=traced.sites, records=records), source
+        )
     release_memory()
     folding = plan(streamed.model, traced, untie=untie, read=lambda name: _values(streamed.model, name))
     untied = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else []
@@ -315,7 +347,9 @@ def convert_streamed(
     try:
         step(f"writing {len(source.reader.files)} shard(s) ...")
         mine = dist.my_share(source.reader.files)
-        dist.all_ok(lambda: write_shards(source.reader, plans, source.dtype, built, mine))
+        written: dict[str, tuple] = {}
+        dist.all_ok(lambda: write_shards(source.reader, plans, source.dtype, built, mine, written))
+        written = dist.merged(written)
         for site in folding.sites:
             site.folded = True
         report = ConvertReport(
@@ -333,10 +367,17 @@ def convert_streamed(
             step("checking the converted logits (streamed) ...")
             converted = build(config, CheckpointReader(built), source.dtype)
             report.norms_swapped = swap_norms(converted.model, traced.sites)
-            checked = _guarded(lambda: compare(reference, converted.model, input_ids), source)
-            converted.close()
-            report.check = checked.to_dict()
+            checked = _guarded(
+                lambda: compare(reference, converted.model, input_ids, records=records), source
+            )
+            reference = None
             passed = bool(checked.passed)
+            expected = None
+            if passed or force:  # what the saved copy must reproduce
+                expected = _guarded(lambda: record(converted.model, input_ids, written, source.dtype), source)
+            converted.close()
+            del converted, written
+            report.check = checked.to_dict()
             data = report_dict(report, source.info)
             data["streamed"] = {"shards": len(source.reader.files), "processes": dist.world_size()}
             (built / MANIFEST).write_text(files.to_json(data))
@@ -345,6 +386,14 @@ def convert_streamed(
                 if out.exists() and not overwrite:  # created while this process was converting
                     raise NormswapError(f"output directory {out} already exists; pass overwrite=True")
                 _replace_dir(built, out, overwrite)
+                release_memory()
+                step(f"verifying {out} by a fresh load (streamed) ...")
+                verified = _guarded(lambda: verify_streamed(out, expected), source)
+                data["verify"] = verified.to_dict()
+                if verified.passed or force:
+                    (out / MANIFEST).write_text(files.to_json(data))
+                else:
+                    shutil.rmtree(out, ignore_errors=True)
         else:
             data = {}
         passed = dist.broadcast(passed)

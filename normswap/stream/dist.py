@@ -112,3 +112,13 @@ def all_ok(fn) -> None:
     first = next((f for f in failures if f), None)
     if first:
         raise NormswapError(first)
+
+
+def merged(items: dict) -> dict:
+    """The union of every process's ``items`` (a dict of picklable values), on every process."""
+    group = _group()
+    if not group:
+        return items
+    parts = [None] * group.get_world_size()
+    group.all_gather_object(parts, items)
+    return {k: v for part in parts for k, v in part.items()}
