@@ -167,7 +167,10 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         io.check_output_file(report, [model], output)
     options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
                    overwrite=overwrite, no_untie=no_untie)  # fmt: skip
-    if max_memory is not None and _convert_streamed(model, output, report, max_memory, **options):
+    if max_memory is not None and _convert_streamed(
+        model, output, report, max_memory, device=device, device_map=device_map, tokenizer=tokenizer_name,
+        **options,
+    ):  # fmt: skip
         return
     t0 = time.perf_counter()
     _step(f"loading {model} ({dtype}) ...")
@@ -233,20 +236,29 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         raise SystemExit(1)
 
 
-def _convert_streamed(model, output, report, max_memory, *, norm, dtype, trust_remote_code, tokens, force,
-                      overwrite, no_untie) -> bool:  # fmt: skip
+def _convert_streamed(model, output, report, max_memory, *, device, device_map, tokenizer, norm, dtype,
+                      trust_remote_code, tokens, force, overwrite, no_untie) -> bool:  # fmt: skip
     """``convert --max-memory``: False when the model fits in the budget (the in-memory path then runs),
-    else the streamed conversion (``normswap.stream``), with the same outputs, messages and exit codes."""
+    else the streamed conversion (``normswap.stream``, on the CPU), with the same outputs, messages and exit
+    codes; options it cannot honour (``--norm rmsnorm``, ``--device-map``, a ``--device`` other than the
+    CPU) are refused in one line."""
     from normswap import io
+    from normswap.device import resolve_device
     from normswap.stream import convert as stream
 
     budget = stream.parse_size(max_memory)
-    source = stream.open_source(model, dtype, trust_remote_code)
+    target = resolve_device(device)  # an unknown device is refused before anything is read
+    source = stream.open_source(model, dtype, trust_remote_code, tokenizer)
     if source.nbytes <= budget:
         return False
+    streaming = "is not available when streaming (the model exceeds --max-memory)"
     if norm != "keep":
-        raise NormswapError(f"--norm {norm} is not available when streaming (the model exceeds --max-memory)")
-    _step(f"{model}: {source.nbytes / 2**30:.2f} GiB of weights > --max-memory {max_memory}: streaming")
+        raise NormswapError(f"--norm {norm} {streaming}")
+    if device_map is not None:
+        raise NormswapError(f"--device-map {streaming}; streaming runs on the CPU")
+    if target.type != "cpu" and device != "auto":
+        raise NormswapError(f"--device {device} {streaming}; streaming runs on the CPU")
+    _step(f"{model}: {source.nbytes / 2**30:.2f} GiB of weights > --max-memory {max_memory}: streaming (CPU)")
     input_ids, check_input = _check_ids(model, source.config, source.tokenizer, tokens)
     report_dict, passed = stream.convert_streamed(
         source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, step=_step

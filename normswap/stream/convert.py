@@ -119,20 +119,22 @@ def fetch_hub(repo_id: str, trust_remote_code: bool = False) -> str:
     return str(path)
 
 
-def open_source(model: str, dtype: str, trust_remote_code: bool = False) -> Source:
+def open_source(
+    model: str, dtype: str, trust_remote_code: bool = False, tokenizer: str | None = None
+) -> Source:
     """Open MODEL for streaming: a local directory with ``config.json`` and safetensors weights, or a hub
-    id whose files are fetched into the Hugging Face cache first (``fetch_hub``).
+    id whose files are fetched into the Hugging Face cache first (``fetch_hub``). The tokenizer is
+    ``tokenizer`` (a hub id or directory) if given, else MODEL's own, else ``None`` for a directory without
+    tokenizer files (``normswap.io.load.load_tokenizer``; the check then runs on vocabulary ids).
 
     Every shard's header is checked here, before anything runs or is written.
 
     Raises:
         NormswapError: MODEL is not such a directory or hub id (a .gguf file), a hub id cannot be
-            fetched, not a causal LM, has a missing/truncated/corrupt shard, or its tokenizer cannot be
+            fetched, not a causal LM, has a missing/truncated/corrupt shard, or a tokenizer that cannot be
             loaded.
     """
-    from transformers import AutoTokenizer
-
-    from normswap.io.load import ModelInfo, _load_failure, is_causal_lm, load_config, resolve, torch_dtype
+    from normswap.io.load import ModelInfo, is_causal_lm, load_config, load_tokenizer, resolve, torch_dtype
 
     resolved = resolve(model)
     kind = resolved.kind
@@ -147,10 +149,7 @@ def open_source(model: str, dtype: str, trust_remote_code: bool = False) -> Sour
     if not is_causal_lm(config):
         raise NormswapError(f"{model}: --max-memory streams causal LMs only")
     reader = CheckpointReader(resolved.path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
-    except Exception as error:
-        raise _load_failure(resolved, "tokenizer", error) from error
+    loaded_tokenizer = load_tokenizer(resolved, tokenizer, trust_remote_code=trust_remote_code)
     torch_type = torch_dtype(dtype)
     from transformers import AutoModelForCausalLM
 
@@ -159,7 +158,7 @@ def open_source(model: str, dtype: str, trust_remote_code: bool = False) -> Sour
         source=resolved.source, kind=kind, path=resolved.path, gguf_file=None, short_name=None,
         architecture=architecture, causal_lm=True, dtype=str(torch_type).removeprefix("torch."),
     )  # fmt: skip
-    return Source(reader, config, tokenizer, info, torch_type)
+    return Source(reader, config, loaded_tokenizer, info, torch_type)
 
 
 def _libc():

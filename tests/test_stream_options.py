@@ -1,0 +1,65 @@
+"""Options of ``convert`` on the streamed path: each one honoured, or refused in one line (never ignored).
+
+Found by a fresh-user run: ``--device``, ``--device-map`` and ``--tokenizer`` were silently dropped when the
+model exceeded ``--max-memory``, and a directory without tokenizer files could not be streamed although the
+in-memory path checks it on ids drawn from the vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+from conftest import make_tiny_model
+from test_stream import TOKENS, _one_error_line, run, save_sharded, tensors, tokenizer  # noqa: F401
+
+import normswap.device
+
+
+def _src(tokenizer, tmp_path):  # noqa: F811
+    return save_sharded(make_tiny_model("llama"), tokenizer, tmp_path / "src")
+
+
+def test_device_map_and_gpu_device_are_refused_when_streaming(tokenizer, tmp_path, monkeypatch):  # noqa: F811
+    src = _src(tokenizer, tmp_path)
+    r = run("convert", src, "-o", tmp_path / "out", "--max-memory", "4KB", "--device-map", "auto")
+    _one_error_line(r, "--device-map is not available when streaming", "streaming runs on the CPU")
+    # a machine with a GPU: --device cuda would have run on the CPU without a word
+    monkeypatch.setattr(normswap.device, "resolve_device", lambda spec: torch.device("cuda:0"))
+    r = run("convert", src, "-o", tmp_path / "out", "--max-memory", "4KB", "--device", "cuda")
+    _one_error_line(r, "--device cuda is not available when streaming")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_directory_without_tokenizer_streams_on_vocabulary_ids(tokenizer, tmp_path):  # noqa: F811
+    """As in memory: the check runs on ids drawn from the vocabulary, said on the input line; the output
+    equals the in-memory conversion of the same directory, tensor for tensor."""
+    src = _src(tokenizer, tmp_path)
+    for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (src / file).unlink(missing_ok=True)
+    r = run("convert", src, "-o", tmp_path / "streamed", "--tokens", TOKENS, "--max-memory", "4KB")
+    assert r.exit_code == 0, r.output
+    assert "input:    ids drawn from the vocabulary" in r.stdout and "verified:" in r.stdout
+    r = run("convert", src, "-o", tmp_path / "memory", "--tokens", TOKENS)
+    assert r.exit_code == 0, r.output
+    got, want = tensors(tmp_path / "streamed"), tensors(tmp_path / "memory")
+    assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in got)
+
+
+def test_tokenizer_option_is_used_when_streaming(tokenizer, tmp_path):  # noqa: F811
+    src = _src(tokenizer, tmp_path)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.move(src / file, tok / file)
+    r = run("convert", src, "-o", tmp_path / "out", "--max-memory", "4KB", "--tokenizer", tmp_path / "none")
+    _one_error_line(r, "no such directory")
+    r = run(
+        "convert", src, "-o", tmp_path / "out", "--tokens", TOKENS, "--max-memory", "4KB", "--tokenizer", tok
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "out" / "tokenizer.json").read_text()) == json.loads(
+        (tok / "tokenizer.json").read_text()
+    )  # the tokenizer named is the one checked with and saved
+    assert "input:    ids drawn" not in r.stdout
