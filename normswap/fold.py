@@ -124,21 +124,31 @@ class Untied:
         self.names, self._replaced, self._configs = [], [], []
 
 
-def untie_parameters(model: nn.Module, owners: list[tuple[str, str]]) -> Untied:
+def _clone(name: str, old: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
+
+
+def untie_parameters(
+    model: nn.Module,
+    owners: list[tuple[str, str]],
+    copy: Callable[[str, nn.Parameter], nn.Parameter] = _clone,
+) -> Untied:
     """Give each ``(module_name, attribute)`` its own copy of the Parameter it shares.
 
     The other holders keep the original Parameter object, bit-identical. When the shared Parameter was the
     input embedding, every ``tie_word_embeddings`` flag in the config becomes False so a saved checkpoint
-    loads untied.
+    loads untied. ``copy(qualified_name, old)`` makes the new Parameter (default: a clone of the values;
+    ``normswap.stream`` passes a placeholder read from the checkpoint).
     """
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     untied = Untied()
     for module_name, attr in owners:
         module = model.get_submodule(module_name)
         old = module._parameters[attr]
-        setattr(module, attr, nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad))
+        name = f"{module_name}.{attr}" if module_name else attr
+        setattr(module, attr, copy(name, old))
         untied._replaced.append((module, attr, old))
-        untied.names.append(f"{module_name}.{attr}" if module_name else attr)
+        untied.names.append(name)
         if embedding is not None and getattr(embedding, "weight", None) is old:
             untied._configs.extend(untie_config(model))
     return untied
@@ -161,7 +171,7 @@ PROOF_POSITIONS = 8  # positions of the untie proof's two forwards, for token id
 
 
 @torch.no_grad()
-def untie_checked(model: nn.Module, folding: FoldPlan, inputs=None) -> Untied:
+def untie_checked(model: nn.Module, folding: FoldPlan, inputs=None, copy=_clone) -> Untied:
     """Untie what ``folding`` needs, after proving that untying alone changes nothing.
 
     Some models read ``tie_word_embeddings`` while running (T5-style decoders rescale their output when it is
@@ -173,17 +183,17 @@ def untie_checked(model: nn.Module, folding: FoldPlan, inputs=None) -> Untied:
     (``normswap.walk.short_inputs``): a flag read while running moves every position's output, and two
     forwards on the check's 512 tokens cost more than the rest of a conversion (Gemma 3's head alone, 640 x
     262144, is 86 G multiply-adds per forward). When the outputs differ, the untie is undone and the sites
-    that needed it are dropped from ``folding`` with that reason.
+    that needed it are dropped from ``folding`` with that reason. ``copy``: as in ``untie_parameters``.
     """
     if not folding.untie:
         return Untied()
     from normswap.walk import run_example, short_inputs
 
     if not folding.may_read_flag:
-        return untie_parameters(model, folding.untie)
+        return untie_parameters(model, folding.untie, copy)
     inputs = short_inputs(inputs, PROOF_POSITIONS)
     before = run_example(model, inputs)
-    untied = untie_parameters(model, folding.untie)
+    untied = untie_parameters(model, folding.untie, copy)
     if not untied._configs or _same(before, run_example(model, inputs)):
         return untied
     untied.restore()

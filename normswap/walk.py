@@ -533,7 +533,7 @@ class ExampleInputs:
 
 Inputs = torch.Tensor | ExampleInputs | None  # input_ids, explicit example inputs, or the default ids
 
-SHORT_POSITIONS = 32  # positions of a short forward (as the streamed walk's WALK_TOKENS)
+SHORT_POSITIONS = 32  # positions of a short forward (the trace of convert, streamed or not)
 
 
 def short_inputs(inputs: Inputs, positions: int = SHORT_POSITIONS) -> Inputs:

@@ -1,7 +1,9 @@
 """``normswap convert --max-memory SIZE`` for a model larger than SIZE: the pipeline, streamed.
 
 1. walk: ``normswap.walk.walk`` on a streamed model (``stream.model``: norm parameters resident, every
-   larger weight read from its shard as its module runs), on the first ``WALK_TOKENS`` of the check's ids;
+   larger weight read from its shard as its module runs), on the first ids of the check as the in-memory
+   convert does (``walk.short_inputs``: the walk keeps every activation it follows until it ends, ~0.9 GB on
+   512 tokens of a 1.1B Llama, and the dataflow it records does not depend on the length);
 2. reference logits of the original, streamed the same way (the localization records in a temporary file,
    ``stream.records``, so the memory does not grow with the layer count);
 3. ``normswap.fold.plan``; untying proved on two streamed forwards as ``normswap.fold.untie_checked`` does;
@@ -39,13 +41,7 @@ from normswap.stream.plan import layout, make_tensor, tensor_plans
 from normswap.stream.records import DiskRecords
 from normswap.stream.shards import INDEX, CheckpointReader, ShardWriter, nbytes, write_index
 from normswap.stream.verify import fingerprint, record, verify_streamed
-from normswap.walk import SHORT_POSITIONS
-
-# The walk keeps every activation it follows until it ends (about 0.9 GB on 512 tokens of a 1.1B Llama), so
-# the streamed walk traces the first WALK_TOKENS tokens of the check's text, as the in-memory convert does
-# (``normswap.walk.short_inputs``). The dataflow it records does not depend on the length
-# (tests/test_walk.py); tests/test_stream.py compares the outputs with the in-memory path's.
-WALK_TOKENS = SHORT_POSITIONS
+from normswap.walk import short_inputs
 
 
 @dataclass
@@ -199,33 +195,11 @@ def release_memory() -> None:
 
 
 def _untie_checked(streamed: Streamed, folding, input_ids: torch.Tensor) -> list[str]:
-    """``normswap.fold.untie_checked`` for a streamed model: untie what ``folding`` needs, with the same proof
-    under the same rule (two forwards on the first ``fold.PROOF_POSITIONS`` tokens, run only when the walk's
-    forward may have read ``tie_word_embeddings``: ``folding.may_read_flag``); returns the names."""
-    from normswap.fold import PROOF_POSITIONS, _same, untie_config
-    from normswap.walk import run_example, short_inputs
+    """``normswap.fold.untie_checked`` on a streamed model (same proof, same rule), each untied Parameter a
+    placeholder read from the tensor it was tied to (``Streamed.copy``); returns the untied names."""
+    from normswap.fold import untie_checked
 
-    if not folding.untie:
-        return []
-    model = streamed.model
-    inputs = short_inputs(input_ids, PROOF_POSITIONS)
-    before = run_example(model, inputs) if folding.may_read_flag else None
-    old = [(model.get_submodule(m), a, model.get_submodule(m)._parameters[a]) for m, a in folding.untie]
-    names = streamed.untie(folding.untie)
-    embedding = model.get_input_embeddings()
-    configs = untie_config(model) if any(p is embedding.weight for _, _, p in old) else []
-    if not configs or before is None or _same(before, run_example(model, inputs)):
-        return names
-    for module, attr, p in old:
-        setattr(module, attr, p)
-    for config in configs:
-        config.tie_word_embeddings = True
-    reason = "the model reads tie_word_embeddings while running; untying its lm_head would change its outputs"
-    for site in [s for s in folding.sites if s.name in folding.needs_untie]:
-        folding.sites.remove(site)
-        site.foldable, site.reason = False, reason
-    folding.untie, folding.untie_bytes = [], 0
-    return []
+    return untie_checked(streamed.model, folding, input_ids, copy=streamed.copy).names
 
 
 def write_shards(
@@ -318,7 +292,7 @@ def convert_streamed(
 
     streamed = build(source.config, source.reader, source.dtype)
     step("finding the norms and their consumers (streamed) ...")
-    walk_ids = input_ids[:, :WALK_TOKENS]
+    walk_ids = short_inputs(input_ids)
     traced = _guarded(lambda: walk(streamed.model, walk_ids), source)
     if not traced.sites:
         raise NormswapError(f"{source.info.source}: no normalization modules found; nothing to convert")

@@ -86,21 +86,10 @@ class Streamed:
             h.remove()
         self.handles.clear()
 
-    def untie(self, owners: list[tuple[str, str]]) -> list[str]:
-        """Give each ``(module_name, attribute)`` its own placeholder Parameter read from the same tensor.
-
-        The streamed counterpart of ``normswap.fold.untie_parameters`` (the config flags are flipped by the
-        caller with ``normswap.fold.untie_config``). Returns the qualified names of the new Parameters.
-        """
-        names = []
-        for module_name, attr in owners:
-            module = self.model.get_submodule(module_name)
-            old = module._parameters[attr]
-            name = f"{module_name}.{attr}" if module_name else attr
-            new = stand_in(old.shape, old.dtype, old.device, self.keys[name], self.reader)
-            setattr(module, attr, new)
-            names.append(name)
-        return names
+    def copy(self, name: str, old: nn.Parameter) -> nn.Parameter:
+        """A new placeholder Parameter for ``name`` read from the same checkpoint tensor as ``old``: the
+        ``copy`` that ``normswap.fold.untie_parameters`` gives an untied Parameter of a streamed model."""
+        return stand_in(old.shape, old.dtype, old.device, self.keys[name], self.reader)
 
 
 def _load(module: nn.Module, attrs: dict[str, str], reader: CheckpointReader) -> None:
