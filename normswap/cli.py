@@ -183,15 +183,17 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         device_map=device_map,
     )
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
-    input_ids, check_input = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens)
+    input_ids, check_input = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens, loaded.model)
     _step("finding the norms and their consumers ...")
     traced = walk(loaded.model, short_inputs(input_ids))  # the dataflow does not depend on the length
     if not traced.sites:
         raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
-    _step(f"running the original on {input_ids.shape[-1]} tokens ...")
+    on = f"random {check_input['input']}" if "input" in check_input else f"{input_ids.shape[-1]} tokens"
+    _step(f"running the original on {on} ...")
     reference = reference_outputs(loaded.model, input_ids, sites=traced.sites)
     _step("converting ...")
-    result = convert_model(loaded.model, norm=norm, untie=not no_untie, input_ids=input_ids, traced=traced)
+    inputs = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
+    result = convert_model(loaded.model, norm=norm, untie=not no_untie, traced=traced, **inputs)
     _step("checking the converted logits ...")
     checked = compare(reference, loaded.model, input_ids)
     result.check = checked.to_dict()
@@ -285,12 +287,17 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
     return True
 
 
-def _check_ids(model: str, config, tokenizer, tokens: int | None):
+def _check_ids(model: str, config, tokenizer, tokens: int | None, loaded=None):
     """The check's token ids for a model of ``config`` and how they were made (for the report); bad
     tokenizers and over-long requests are bad input (exit 2). Without a tokenizer: ids drawn from the
-    vocabulary."""
+    vocabulary. A ``loaded`` model that reads a waveform or an image: a fixed random one instead
+    (``normswap.check.inputs.signal_check_inputs``)."""
     from normswap.check import VOCABULARY_SEED
-    from normswap.check.inputs import command_input_ids, vocabulary_size
+    from normswap.check.inputs import command_input_ids, signal_check_inputs, vocabulary_size
+
+    signal = None if loaded is None else signal_check_inputs(model, loaded, tokens)
+    if signal is not None:
+        return signal
 
     ids = command_input_ids(model, config, tokenizer, tokens)
     if tokenizer is None:
@@ -331,16 +338,28 @@ def inspect(model, dtype, trust_remote_code, device, device_map, json_path):
 def _site_table(sites) -> str:
     """A readable table of ``NormSite`` records, one line per norm."""
     rows = [("name", "kind", "w", "eps", "cast", "shape", "consumers", "foldable")]
+    maps = []  # per-channel affine sites (BatchNorm, NoNorm): their axis and statistics, below the table
     for s in sites:
         convention = "1+w" if s.offset else ("w" if s.weight else "-")
         consumers = sorted({c.module for c in s.consumers})
         short = ",".join(c.rsplit(".", 1)[-1] for c in consumers) or "-"
+        if s.producer is not None:  # folds backwards, into the op that feeds it
+            short = f"from {s.producer.module.rsplit('.', 1)[-1]}"
         foldable = "yes" if s.foldable else f"no: {s.reason}"
         shape = "x".join(str(n) for n in s.shape)
-        rows.append((s.name, s.kind, convention, f"{s.eps:g}", s.cast_order, shape, short, foldable))
+        cast = s.cast_order if s.axis is None else f"axis {s.axis}"
+        rows.append((s.name, s.kind, convention, f"{s.eps:g}", cast, shape, short, foldable))
+        if s.stats:
+            spans = ", ".join(f"{key} [{lo:.4g}, {hi:.4g}]" for key in ("mean", "var", "scale", "shift")
+                              if key in s.stats for lo, hi in [s.stats[key]])  # fmt: skip
+            traced = "x".join(str(n) for n in s.stats["input_shape"])
+            maps.append(f"  {s.name}: {s.kind} over axis {s.axis} of {traced}; {spans}")
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
     lines.append(f"{len(sites)} norms, {sum(s.foldable for s in sites)} foldable")
+    if maps:
+        lines.append("per-channel maps y = x * scale + shift (running mean/var, as measured):")
+        lines += maps
     return "\n".join(lines)
 
 
@@ -386,6 +405,12 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
             f"input:    ids drawn from the vocabulary ({check_input['vocab_size']} ids, torch seed "
             f"{check_input['seed']}): {check_input['reason']}; --tokenizer gives real text"
         )
+    if check_input.get("source") == "random":
+        shape = "x".join(str(n) for n in check_input["shape"])
+        lines.append(
+            f"input:    {check_input['input']} {shape} ~ N(0, 1), torch seed {check_input['seed']}: "
+            f"{check_input['reason']}"
+        )
     check = report.get("check") or {}
     if check:
         output_name = {"logits": "logit", "last_hidden_state": "hidden state"}.get(
@@ -397,7 +422,8 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
             numbers.append(f"KL {check['kl_mean']:.3g}, top-1 {_fmt(check.get('top1_agreement'), '.2%')}")
         if check.get("ppl_original") is not None:
             numbers.append(f"ppl {check['ppl_original']:.4f} -> {_fmt(check.get('ppl_converted'), '.4f')}")
-        lines.append(f"check:    {check.get('tokens')} tokens, " + ", ".join(numbers))
+        unit = "output rows" if check_input.get("source") == "random" else "tokens"
+        lines.append(f"check:    {check.get('tokens')} {unit}, " + ", ".join(numbers))
         verdict = "PASSED" if check.get("passed") else "FAILED"
         lines.append(f"          {verdict}" + (f" (tolerance: {tol_text})" if tol_text else ""))
         for failure in check.get("failures") or []:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap.affine_fold import fold_affine, plan_affine
 from normswap.errors import NormswapError
 from normswap.fold import fold_site, plan, untie_checked
 from normswap.sites import NormSite
@@ -127,6 +128,10 @@ def convert(
 ) -> ConvertReport:
     """Fold every foldable norm into its consumers and swap every norm for a fused module, in place.
 
+    Per-channel affine sites (``kind`` ``"batchnorm"`` / ``"affine"``: BatchNorm in eval mode, NoNorm) are
+    folded into their consumers or the producer of their input where exact and left at their identity
+    (``normswap.affine_fold``), never swapped; each one not folded has its reason.
+
     Args:
         model: the model to convert (modified in place).
         norm: ``"keep"`` keeps each norm's kind; ``"rmsnorm"`` converts a pre-LN LayerNorm model into an
@@ -175,7 +180,10 @@ def convert(
         report.untie_bytes = folding.untie_bytes
         for site in folding.sites:
             fold_site(model, site)
-        report.norms_folded = len(folding.sites)
+        affine = plan_affine(model, result)  # BatchNorm / NoNorm: into a producer or consumers
+        for site in affine:
+            fold_affine(model, site)
+        report.norms_folded = len(folding.sites) + len(affine)
     else:
         for site in result.sites:
             if site.foldable:

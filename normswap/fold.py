@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from normswap.reads import may_read_flag, tie_configs
-from normswap.sites import NormSite
+from normswap.sites import NORM_KINDS, NormSite
 from normswap.walk import Walk
 
 
@@ -56,7 +56,7 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None
     ``untie`` is true and the weight is held by several module attributes; otherwise the site is not folded.
     """
     result = FoldPlan(may_read_flag=may_read_flag(walk.config_reads))
-    foldable = [s for s in walk.sites if s.foldable]
+    foldable = [s for s in walk.sites if s.foldable and s.kind in NORM_KINDS]  # AFFINE_KINDS: affine_fold
     sites_of: dict[str, set[str]] = {}
     for site in foldable:
         for c in site.consumers:

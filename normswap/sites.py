@@ -8,17 +8,26 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+NORM_KINDS = ("rmsnorm", "layernorm")  # normalize over the last axis (probe.py); swapped for a fused module
+AFFINE_KINDS = ("batchnorm", "affine")  # a fixed per-channel affine map (affine.py); folded or left in place
+
 
 @dataclass
 class Consumer:
-    """One op that uses a norm's output as the input of a linear map.
+    """One op that uses a norm's output as the input of a linear map (or, as a site's ``producer``, whose
+    output is the norm's input).
 
     Attributes:
         module: name of the module executing the op (``"model.layers.0.self_attn.q_proj"``).
         param: qualified name of the weight parameter the op multiplies by.
-        op: the op seen in the trace (``"linear"``, ``"addmm"``, ``"matmul"``, ``"grouped_mm"``, ...).
-        axis: axis of the weight parameter that is contracted with the norm's feature axis.
+        op: the op seen in the trace (``"linear"``, ``"addmm"``, ``"matmul"``, ``"grouped_mm"``,
+            ``"conv1d"``, ...).
+        axis: axis of the weight parameter that is contracted with the norm's feature axis (for a producer:
+            the weight's axis that gives the output channels).
         bias: qualified name of the bias parameter the op adds, or ``None``.
+        groups: a convolution's ``groups`` (its weight is ``(out, in / groups, *kernel)``); 1 otherwise.
+        zero_pad: a convolution that pads its input with zeros (``padding`` > 0): a per-channel shift of
+            its input would not reach the padded border, so only a scale folds into it exactly.
     """
 
     module: str
@@ -26,6 +35,8 @@ class Consumer:
     op: str
     axis: int
     bias: str | None = None
+    groups: int = 1
+    zero_pad: bool = False
 
 
 @dataclass
@@ -37,9 +48,15 @@ class NormSite:
         rmsnorm:   y = x / sqrt(mean(x**2) + eps) * (offset + weight)
         layernorm: y = (x - mean(x)) / sqrt(var(x) + eps) * (offset + weight) + bias
 
+    or, per channel ``c`` along the input's axis ``axis`` (``normswap.affine``)::
+
+        batchnorm: y = (x - mean[c]) / sqrt(var[c] + eps) * weight[c] + bias[c]   (eval mode)
+        affine:    y = x * weight[c] + bias[c]                                    (MobileBERT's NoNorm)
+
     Attributes:
         name: module name in ``model.named_modules()``.
-        kind: ``"rmsnorm"`` or ``"layernorm"``.
+        kind: ``"rmsnorm"`` or ``"layernorm"`` (``NORM_KINDS``); ``"batchnorm"`` or ``"affine"``
+            (``AFFINE_KINDS``: never swapped, folded into a producer or consumers where exact).
         offset: 0.0 for the ``w`` convention, 1.0 for Gemma's ``(1 + w)``.
         eps: the epsilon the module really uses (measured, not read from the config).
         weight: attribute name of the scale parameter on the module, or ``None`` (parameter-free).
@@ -61,6 +78,16 @@ class NormSite:
         compute_dtype: ``"float32"`` when the module normalizes float64 inputs in float32 too (HF's norms,
             which upcast with ``.to(torch.float32)``/``.float()``); ``None`` when it computes in float64
             for float64 inputs (``nn.LayerNorm``, ``nn.RMSNorm``). Half precision is always float32.
+        axis: for ``AFFINE_KINDS``, the channel axis of the input as the trace saw it (1 for a BatchNorm on
+            ``(B, C, T)``, 2 for NoNorm on ``(B, T, C)``); ``None`` for norms (always the last axis).
+        mean: attribute name of the running-mean buffer (``batchnorm``), or ``None``.
+        var: attribute name of the running-variance buffer (``batchnorm``), or ``None``.
+        producer: the linear map or convolution whose output is this site's only input, when the site
+            folds into it (``AFFINE_KINDS``: its output channels are scaled, its bias shifted); ``None``
+            when the site folds into ``consumers`` or not at all.
+        stats: for ``AFFINE_KINDS``, what the probe measured: ``input_shape`` (as traced), ``scale`` and
+            ``shift`` (``[min, max]`` of the per-channel map ``y = x * scale + shift``), ``mean`` and
+            ``var`` (``[min, max]`` of the running statistics), all from the unconverted module.
     """
 
     name: str
@@ -80,6 +107,11 @@ class NormSite:
     swapped: bool = False
     reason: str | None = None
     compute_dtype: str | None = None
+    axis: int | None = None
+    mean: str | None = None
+    var: str | None = None
+    producer: Consumer | None = None
+    stats: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -94,4 +126,6 @@ class NormSite:
         d.pop("consumers", None)
         ops = [Consumer(**c) for c in d.pop("consumer_ops", [])]
         d["shape"] = tuple(d["shape"])
+        if d.get("producer") is not None:
+            d["producer"] = Consumer(**d["producer"])
         return cls(consumers=ops, **d)

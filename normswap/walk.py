@@ -19,6 +19,15 @@ During a single short forward (2 x 16 token ids by default):
 * after the forward, a module that never ran but has an interchangeable sibling that received a norm's output
   (a routed expert that got no token) is run once on that sibling's inputs, so its consumers are seen too.
 
+Per-channel affine modules (BatchNorm in eval mode, NoNorm: ``normswap.affine``) are sources too, one per axis
+of their input as long as their tensors (the probe keeps the axis they act on). A convolution
+(``F.conv1d/2d/3d``) whose input channels are that axis is a consumer (``groups`` and zero padding
+recorded; reflect / replicate / circular ``pad`` is followed); and the output of every linear map or
+convolution on a parameter is remembered, with every op that uses it (weakly: no activation is kept alive),
+so that such a module's input can be traced back to the op that produced it, its fold target when nothing
+else reads it. A norm (RMSNorm, LayerNorm) never folds into a convolution: for it a convolution is a use
+like any other.
+
 After the forward the hooks are removed, the module modes restored, and the sources are probed
 (``probe.py``); only those that behave as norms become ``NormSite``s. A norm is foldable when every use of
 its output is a consumer, its scale is one value per feature, (for a bias) every consumer adds a bias, and
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -40,10 +50,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from normswap import dimmap
+from normswap.affine import affine_foldability, channel_axes, channels, probe_affine
 from normswap.device import exact_float32, model_device, refuse_offloaded
 from normswap.probe import ProbeError, is_candidate, nonfinite_tensors, probe_module
 from normswap.reads import read_names, tie_configs
-from normswap.sites import Consumer, NormSite
+from normswap.sites import AFFINE_KINDS, Consumer, NormSite
 
 log = logging.getLogger("normswap")
 
@@ -63,6 +74,8 @@ _IGNORED = {"size", "dim", "numel", "stride", "data_ptr", "is_floating_point", "
 # Ops whose tensor arguments after the first donate only a dtype or shape (``x.type_as(other)``).
 _DONOR_OPS = {"type_as", "to", "view_as", "reshape_as", "expand_as"}
 _MATMUL_OPS = {"matmul", "__matmul__", "mm", "bmm"}
+_CONV_OPS = {"conv1d": 1, "conv2d": 2, "conv3d": 3}  # F.conv*d -> number of spatial axes
+_PRODUCER_OPS = {"linear", *_CONV_OPS}  # ops whose output may be folded into backwards (AFFINE_KINDS)
 
 
 def _quantized(stored: torch.dtype, used: torch.dtype) -> bool:
@@ -87,10 +100,12 @@ class _Tag:
     source: int  # index into Walk.calls
     dims: dimmap.DimMap  # dims of this tensor -> axes of the source output
     base_ndim: int
+    feature: int | None = None  # the source output's feature axis: its last (norms) or its channel axis
 
     def feature_axis(self) -> int | None:
+        feature = self.base_ndim - 1 if self.feature is None else self.feature
         for i, d in enumerate(self.dims):
-            if d == self.base_ndim - 1:
+            if d == feature:
                 return i
         return None
 
@@ -112,11 +127,26 @@ class Use:
 
 
 @dataclass
+class _Produced:
+    """The output of a linear map or convolution on a parameter (``_PRODUCER_OPS``), and every op that used
+    it: a per-channel affine module whose input it is may fold into the op when the module is its only
+    user. Held by a weak reference: the tracer keeps no activation alive for it."""
+
+    ref: weakref.ref
+    producer: Consumer  # ``axis``: the weight's axis that gives the output channels
+    channel: int  # the output's channel axis
+    uses: list[tuple[str, str]] = field(default_factory=list)  # (op, module executing it)
+
+
+@dataclass
 class SourceCall:
     module: str
     input_shape: tuple[int, ...]
     uses: list[Use] = field(default_factory=list)
     extra: str | None = None  # the other inputs of a call that was not a one-input call, described
+    feature: int | None = None  # the axis followed: None for a norm candidate (the last), else a channel axis
+    producers: list[_Produced | None] = field(default_factory=list)  # per call: what made its input
+    makers: list[str] = field(default_factory=list)  # per call: the op that made its input, described
 
 
 def _other_inputs(args: tuple, kwargs: dict, x: torch.Tensor) -> str | None:
@@ -183,6 +213,10 @@ class _Tracer(TorchFunctionMode):
         self.first_args: dict[int, tuple] = {}  # id(module) -> (args, kwargs) of its first call, if tagged
         self.finished: set[int] = set()  # id of every module whose first call has returned
         self.config_reads: set[str] = set()  # attribute names the forward read on the tie configs
+        self.affine_of: dict[tuple[int, int], int] = {}  # (id(module), channel axis) -> index of its source
+        self.produced: dict[int, _Produced] = {}  # id(linear/conv output) -> what made it and its uses
+        self.made_by: dict[int, tuple[weakref.ref, str]] = {}  # id(op output) -> the op, described
+        self._made_limit = 4096  # purge dead entries of made_by when it grows past this
 
     # -- module hooks -------------------------------------------------------------------------------------
     def pre_hook(self, module, args):
@@ -237,20 +271,48 @@ class _Tracer(TorchFunctionMode):
             return
         if not x.is_floating_point() or output.shape != x.shape or x.ndim < 1:
             return
-        if not is_candidate(module, tuple(x.shape)):
+        indices = self._sources(module, tuple(x.shape))
+        if not indices:
             return
-        index = self.call_of.get(id(module))
-        if index is None:
-            index = len(self.calls)
-            self.call_of[id(module)] = index
-            self.calls.append(SourceCall(self.names[id(module)], tuple(x.shape)))
-            self.module_of_call.append(module)
+        produced = self.produced.get(id(x))
+        made = self.made_by.get(id(x))
+        maker = made[1] if made is not None and made[0]() is x else "the model's input"
+        for index in indices:  # what made this call's input (a per-channel map may fold into it)
+            self.calls[index].producers.append(produced if produced and produced.ref() is x else None)
+            self.calls[index].makers.append(maker)
         extra = _other_inputs(args, kwargs, x)
         if extra is not None:  # a gated norm, a norm given its residual: not a one-input map
             where = f" by {self._module()}" if self._module() else ""
-            self.calls[index].extra = self.calls[index].extra or f"{extra}{where}"
+            for index in indices:
+                self.calls[index].extra = self.calls[index].extra or f"{extra}{where}"
             return
-        self._tag(output, _Tag(index, dimmap.identity(output.ndim), output.ndim))
+        for index in indices:
+            tag = _Tag(index, dimmap.identity(output.ndim), output.ndim, self.calls[index].feature)
+            self._tag(output, tag)
+
+    def _sources(self, module: nn.Module, shape: tuple[int, ...]) -> list[int]:
+        """The sources (indices into ``calls``) a call of ``module`` on an input of ``shape`` feeds: one for
+        a norm candidate (its last axis followed), one per other axis it might act on per channel
+        (``normswap.affine.channel_axes``); the probe later keeps the one that is what the module does."""
+        indices = []
+        norm = is_candidate(module, shape)
+        if norm:
+            index = self.call_of.get(id(module))
+            if index is None:
+                index = self.call_of[id(module)] = len(self.calls)
+                self.calls.append(SourceCall(self.names[id(module)], shape))
+                self.module_of_call.append(module)
+            indices.append(index)
+        for axis in channel_axes(module, shape):
+            if norm and axis == len(shape) - 1:
+                continue  # the norm candidate's source follows that axis already
+            index = self.affine_of.get((id(module), axis))
+            if index is None:
+                index = self.affine_of[(id(module), axis)] = len(self.calls)
+                self.calls.append(SourceCall(self.names[id(module)], shape, feature=axis))
+                self.module_of_call.append(module)
+            indices.append(index)
+        return indices
 
     # -- tagging ------------------------------------------------------------------------------------------
     def _tag(self, t: torch.Tensor, tag: _Tag) -> None:
@@ -279,6 +341,14 @@ class _Tracer(TorchFunctionMode):
             return out
         flat, _ = tree_flatten((args[:1], {}) if name in _DONOR_OPS else (args, kwargs))
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        for a in tensors:
+            produced = self.produced.get(id(a))
+            if produced is not None and produced.ref() is a:
+                produced.uses.append((name, self._module()))
+        if name in _PRODUCER_OPS:
+            self._record_producer(name, args, kwargs, out)
+        if isinstance(out, torch.Tensor):
+            self._made(out, name)
         tagged = [(a, self.tags[id(a)]) for a in tensors if id(a) in self.tags]
         prefs = [(a, self.pref[id(a)]) for a in tensors if id(a) in self.pref]
         if not tagged and not prefs:
@@ -287,6 +357,8 @@ class _Tracer(TorchFunctionMode):
             return out
         if name in _LINEAR_OPS:
             self._linear(name, args, kwargs, out)
+        elif name in _CONV_OPS:
+            self._conv(name, args, kwargs)
         elif name in _ADD_OPS and not tagged and self._is_result_plus_param(args):
             self._bias(args, out)
         elif self._propagate(name, args, kwargs, out, tagged, prefs):
@@ -318,6 +390,15 @@ class _Tracer(TorchFunctionMode):
             if isinstance(out, torch.Tensor) and out.shape == src.shape:
                 return self._derive(src, out, lambda d: d)
             return False
+        if name == "pad":  # reflect / replicate / circular padding copies values: every per-channel map
+            mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")  # commutes with it
+            pad = args[1] if len(args) > 1 else kwargs.get("pad")
+            if mode == "constant" or not isinstance(out, torch.Tensor) or pad is None:
+                return False
+            padded = {src.ndim - 1 - i // 2 for i, p in enumerate(pad) if p}
+            return self._derive(
+                src, out, lambda d: tuple(None if i in padded else v for i, v in enumerate(d))
+            )
         if name in dimmap.RESHAPE or name == "expand" or name == "expand_as":
             if not isinstance(out, torch.Tensor):
                 return False
@@ -387,13 +468,13 @@ class _Tracer(TorchFunctionMode):
             if (
                 dims is None
                 or len(dims) != out.ndim
-                or _Tag(tag.source, dims, tag.base_ndim).feature_axis() is None
+                or _Tag(tag.source, dims, tag.base_ndim, tag.feature).feature_axis() is None
             ):
                 self._nonlinear(
                     [tag], "reshape", f"is reshaped or sliced across its feature axis in {self._module()}"
                 )
                 continue
-            self._tag(out, _Tag(tag.source, dims, tag.base_ndim))
+            self._tag(out, _Tag(tag.source, dims, tag.base_ndim, tag.feature))
         return True
 
     def _linear(self, name, args, kwargs, out) -> None:
@@ -458,6 +539,80 @@ class _Tracer(TorchFunctionMode):
             self.param_uses[self.pref[id(bias)].param].append((name, self._module()))
         if consumers:
             self._keep_result(consumers, out)
+
+    def _conv(self, name, args, kwargs) -> None:
+        """``F.conv1d/2d/3d(input, weight, bias, stride, padding, dilation, groups)``: a consumer of a source
+        whose feature axis is the input's channel axis, the weight's axis 1 (``in / groups``) contracted
+        with it. ``zero_pad``: the op pads the input with zeros (``padding`` > 0, or ``"same"`` with a kernel
+        longer than 1), so a shift of its input would not reach the border."""
+        x = args[0]
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        padding = args[4] if len(args) > 4 else kwargs.get("padding", 0)
+        groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
+        for t in (weight, bias):
+            if isinstance(t, torch.Tensor) and id(t) in self.pref:
+                self.param_uses[self.pref[id(t)].param].append((name, self._module()))
+        tags = self.tags.get(id(x), []) if isinstance(x, torch.Tensor) else []
+        ref = self.pref.get(id(weight)) if isinstance(weight, torch.Tensor) else None
+        where = f" in {self._module()}"
+        for tag in tags:
+            if ref is None or ref.dims != dimmap.identity(weight.ndim):
+                self._nonlinear([tag], name, f"is convolved with a computed kernel ({name}){where}")
+                continue
+            if tag.feature_axis() != x.ndim - _CONV_OPS[name] - 1:
+                self._nonlinear([tag], name, f"feeds {name} along another axis{where}")
+                continue
+            stored = self.params[ref.param].dtype
+            if _quantized(stored, weight.dtype):
+                module = self._consumer_module(ref.param)
+                self._nonlinear(
+                    [tag], name, f"feeds the quantized consumer {module}: a fold would re-round it"
+                )
+                continue
+            if isinstance(padding, str):
+                zero_pad = padding == "same" and any(k > 1 for k in weight.shape[2:])
+            else:
+                zero_pad = any(p != 0 for p in (padding if isinstance(padding, tuple | list) else (padding,)))
+            bias_ref = self.pref.get(id(bias)) if isinstance(bias, torch.Tensor) else None
+            consumer = Consumer(
+                module=self._consumer_module(ref.param), param=ref.param, op=name, axis=1,
+                bias=bias_ref.param if bias_ref else None, groups=int(groups), zero_pad=zero_pad,
+            )  # fmt: skip
+            self._use(tag, name, consumer=consumer)
+
+    def _made(self, out: torch.Tensor, name: str) -> None:
+        """Remember which op made ``out`` (for the reason a per-channel map cannot fold into its input's
+        producer); entries of dead tensors are dropped as the map grows, so it holds about the live ones."""
+        self.made_by[id(out)] = (weakref.ref(out), f"{name} in {self._module()}" if self._module() else name)
+        if len(self.made_by) > self._made_limit:
+            self.made_by = {k: v for k, v in self.made_by.items() if v[0]() is not None}
+            self._made_limit = 2 * len(self.made_by) + 4096
+
+    def _record_producer(self, name, args, kwargs, out) -> None:
+        """Remember ``out`` of a linear map or convolution whose weight (and bias) are parameters used
+        whole: a per-channel affine module fed by ``out`` alone may fold into it (``_Produced``)."""
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        ref = self.pref.get(id(weight)) if isinstance(weight, torch.Tensor) else None
+        if ref is None or not isinstance(out, torch.Tensor) or out.ndim < 1:
+            return
+        if name == "linear":  # y[..., o] = sum_k x[..., k] w[o, k]: the weight's axis 0 gives the channels
+            axis, channel = (ref.dims[0] if weight.ndim == 2 else None), out.ndim - 1
+        else:  # y[:, o, ...]: the weight's axis 0 (out channels); unbatched inputs have no batch axis
+            axis = 0 if ref.dims == dimmap.identity(weight.ndim) else None
+            channel = out.ndim - _CONV_OPS[name] - 1
+        bias_ref = self.pref.get(id(bias)) if isinstance(bias, torch.Tensor) else None
+        if axis is None or (bias is not None and (bias_ref is None or bias_ref.dims != (0,))):
+            return
+        stored = self.params[ref.param].dtype
+        if _quantized(stored, weight.dtype):
+            return
+        producer = Consumer(
+            module=self._consumer_module(ref.param), param=ref.param, op=name, axis=axis,
+            bias=bias_ref.param if bias_ref else None,
+        )  # fmt: skip
+        self.produced[id(out)] = _Produced(weakref.ref(out), producer, channel)
 
     def _keep_result(self, consumers: list[Consumer], out) -> None:
         if isinstance(out, torch.Tensor):
@@ -550,12 +705,15 @@ def example_inputs(model: nn.Module, inputs: Inputs = None) -> ExampleInputs:
 
     Explicit ``ExampleInputs`` are used exactly as given. Otherwise the model is called with keyword
     ``input_ids`` (``inputs`` when it is a tensor, else 2 x 16 fixed random ids below the vocabulary size),
-    the decoder's ids for an encoder-decoder, and ``use_cache=False`` where the forward takes it.
+    the decoder's ids for an encoder-decoder, and ``use_cache=False`` where the forward takes it. A model
+    whose main input is a waveform or an image (``signal_inputs``) gets that instead when ``inputs`` is None.
     """
     if isinstance(inputs, ExampleInputs):
         return inputs
     input_ids = inputs
     config = getattr(model, "config", None)
+    if input_ids is None and (signal := signal_inputs(model)) is not None:
+        return signal
     if input_ids is None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         vocab = int(getattr(text, "vocab_size", None) or 128)
@@ -567,6 +725,35 @@ def example_inputs(model: nn.Module, inputs: Inputs = None) -> ExampleInputs:
     if getattr(config, "is_encoder_decoder", False):
         kwargs["decoder_input_ids"] = kwargs["input_ids"]
     return ExampleInputs((), kwargs)
+
+
+AUDIO_SAMPLES = 4000  # a default waveform: 0.25 s at 16 kHz, a dozen frames after a wav2vec2-style encoder
+IMAGE_SIZE = 224  # a default image's side when the config names no image_size
+
+
+def signal_inputs(model: nn.Module, seed: int = 0, samples: int = AUDIO_SAMPLES) -> ExampleInputs | None:
+    """Default inputs of a model whose ``main_input_name`` (the transformers attribute saying what its
+    forward reads first) is a waveform or an image, or None for any other model (token ids).
+
+    ``input_values``: ``(2, samples)`` N(0, 1) samples; ``pixel_values``: ``(2, num_channels, H, W)``
+    N(0, 1) values with ``num_channels`` (default 3) and ``image_size`` (default ``IMAGE_SIZE``) of the
+    config. In the dtype of the model's first floating parameter, on its input device, from a CPU generator
+    seeded with ``seed``: the same values on every run and every device.
+    """
+    name = getattr(model, "main_input_name", None)
+    if name not in ("input_values", "pixel_values"):
+        return None
+    config = getattr(model, "config", None)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if name == "input_values":
+        shape: tuple[int, ...] = (2, samples)
+    else:
+        size = getattr(config, "image_size", None) or IMAGE_SIZE
+        height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
+        shape = (2, int(getattr(config, "num_channels", None) or 3), height, width)
+    value = torch.randn(shape, generator=gen, device="cpu").to(model_device(model), dtype)
+    return ExampleInputs((), {name: value})
 
 
 @torch.no_grad()
@@ -656,6 +843,9 @@ def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
     for t in flat:
         if isinstance(t, torch.Tensor) and id(t) in tracer.tags:
             tracer._nonlinear(tracer.tags[id(t)], "output", "is returned as a model output")
+        produced = tracer.produced.get(id(t)) if isinstance(t, torch.Tensor) else None
+        if produced is not None and produced.ref() is t:
+            produced.uses.append(("output", ""))
     failures: dict[str, str] = {}
     sites = _sites(tracer, failures)
     sites += _unreached(model, tracer)
@@ -665,7 +855,7 @@ def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
         n for n in all_params - used if model.get_parameter(n).ndim >= 2 and not _is_norm_param(n, sites)
     )
     for site in sites:
-        if site.foldable:
+        if site.foldable and site.producer is None:  # a fold into a producer reads no consumer
             _guard_untouched(site, untouched, tracer.params)
     return Walk(
         sites=sites, param_uses=dict(tracer.param_uses), owners=dict(tracer.owners), untouched=untouched,
@@ -711,16 +901,22 @@ def _is_norm_param(name: str, sites: list[NormSite]) -> bool:
 
 def _sites(tracer: _Tracer, failures: dict[str, str]) -> list[NormSite]:
     found: list[tuple[SourceCall, NormSite, nn.Module]] = []
+    affine_tried: set[int] = set()
     for call, module in zip(tracer.calls, tracer.module_of_call, strict=True):
-        try:
-            site = probe_module(module, call.input_shape, call.module)
-        except ProbeError as error:
-            if call.module not in failures:
-                log.warning("%s: probing failed (%s); not treated as a norm", call.module, error)
-            failures[call.module] = str(error)
-            continue
-        if site is not None:
-            found.append((call, site, module))
+        if call.feature is None:  # a norm candidate
+            try:
+                site = probe_module(module, call.input_shape, call.module)
+            except ProbeError as error:
+                if call.module not in failures:
+                    log.warning("%s: probing failed (%s); not treated as a norm", call.module, error)
+                failures[call.module] = str(error)
+                continue
+            if site is not None:
+                found.append((call, site, module))
+                continue
+        if id(module) not in affine_tried:  # not a norm: a per-channel affine map along one of its axes?
+            affine_tried.add(id(module))
+            found += _affine_site(tracer, module)
     names = {site.name for _, site, _ in found}
     for name in names & failures.keys():  # another call of the same module probed fine
         del failures[name]
@@ -729,18 +925,43 @@ def _sites(tracer: _Tracer, failures: dict[str, str]) -> list[NormSite]:
         # a parameter-free wrapper around a norm: keep the innermost module only
         if any(other.startswith(site.name + ".") for other in names):
             continue
-        site.consumers = [u.consumer for u in call.uses if u.consumer is not None]
-        reasons = [u.reason for u in call.uses if u.reason is not None]
-        site.foldable, site.reason = _foldability(site, call, reasons)
+        if site.kind in AFFINE_KINDS:
+            site.consumers = [u.consumer for u in call.uses if u.consumer is not None]
+            reasons = [u.reason for u in call.uses if u.reason is not None]
+            site.foldable, site.reason = affine_foldability(site, call, reasons, module)
+        else:  # a norm folds into linear maps only (``fold.py``): a convolution reading it is another use
+            site.consumers = [
+                u.consumer for u in call.uses if u.consumer is not None and u.op not in _CONV_OPS
+            ]
+            reasons = [
+                u.reason or f"feeds {u.op} in {u.module}"
+                for u in call.uses
+                if u.reason is not None or u.op in _CONV_OPS
+            ]
+            site.foldable, site.reason = _foldability(site, call, reasons)
         broken = nonfinite_tensors(module)
         if broken:  # listed, never folded: its NaN/inf would spread into every consumer
-            site.foldable, site.reason = False, f"{broken[0]} not finite"
+            site.foldable, site.reason, site.producer = False, f"{broken[0]} not finite", None
         elif site.foldable and site.dtype == "float64" and site.compute_dtype and site.cast_order == "fp32":
             # a float64 fold would skip the float32 rounding of the weight product: off by ~1e-7 relative
             site.foldable = False
             site.reason = "multiplies by its weight in float32 inside a float64 model: a fold is not exact"
         sites.append(site)
     return sites
+
+
+def _affine_site(tracer: _Tracer, module: nn.Module) -> list[tuple[SourceCall, NormSite, nn.Module]]:
+    """``module`` probed as a per-channel affine map (``normswap.affine``) along the axes its sources
+    followed; the source of the axis it acts on, with its site, or nothing."""
+    sources = {}
+    for call, other in zip(tracer.calls, tracer.module_of_call, strict=True):
+        if other is module:
+            sources[len(call.input_shape) - 1 if call.feature is None else call.feature] = call
+    if not sources:
+        return []
+    first = next(iter(sources.values()))
+    site = probe_affine(module, first.input_shape, first.module, axes=list(sources))
+    return [] if site is None else [(sources[site.axis], site, module)]
 
 
 NOT_REACHED = "not reached by the trace"
@@ -752,6 +973,9 @@ def _unreached(model: nn.Module, tracer: _Tracer) -> list[NormSite]:
     A leaf module that holds one or two tensors of the same shape ``S`` (1-D, or a per-head ``(H, D)``) is
     probed on a synthetic input of shape ``(2, 4, *S)``; those that behave as norms are listed with the
     reason ``NOT_REACHED``: their semantics are known, their consumers are not, so they are never folded.
+    A leaf that is not such a norm but could be a per-channel affine map (``normswap.affine.channels``: a
+    BatchNorm, NoNorm) is probed on ``(2, C)``, ``(2, C, 3)``, ``(2, 3, C)``, ``(2, C, 3, 3)`` and
+    ``(2, C, 3, 3, 3)`` with the channel axis the length-``C`` one; listed the same way if one fits.
     """
     sites = []
     for name, module in model.named_modules():
@@ -759,16 +983,30 @@ def _unreached(model: nn.Module, tracer: _Tracer) -> list[NormSite]:
             continue
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         shape = tuple(tensors[0].shape) if tensors else ()
-        if not 1 <= len(shape) <= 2 or any(tuple(t.shape) != shape for t in tensors):
-            continue
-        try:
-            site = probe_module(module, (2, 4, *shape), name)
-        except ProbeError:  # it cannot take the synthetic input: nothing known about it, not listed
-            continue
+        site = None
+        if 1 <= len(shape) <= 2 and all(tuple(t.shape) == shape for t in tensors):
+            try:
+                site = probe_module(module, (2, 4, *shape), name)
+            except ProbeError:  # it cannot take the synthetic input: nothing known about it, not listed
+                continue
+        if site is None:
+            site = _unreached_affine(module, name)
         if site is not None:
             site.reached, site.foldable, site.reason = False, False, NOT_REACHED
             sites.append(site)
     return sites
+
+
+def _unreached_affine(module: nn.Module, name: str) -> NormSite | None:
+    count = channels(module)
+    if count is None:
+        return None
+    for shape, axis in (((2, count), 1), ((2, count, 3), 1), ((2, 3, count), 2), ((2, count, 3, 3), 1),
+                        ((2, count, 3, 3, 3), 1)):  # fmt: skip
+        site = probe_affine(module, shape, name, axes=[axis])
+        if site is not None:
+            return site
+    return None
 
 
 def _foldability(site: NormSite, call: SourceCall, reasons: list[str]) -> tuple[bool, str | None]:

@@ -134,6 +134,44 @@ _ARCH_DEFAULTS: dict[str, dict] = {
     ),
     "t5": dict(d_model=64, d_ff=128, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=4),
     "bert": dict(max_position_embeddings=64),
+    "mobilebert": dict(
+        embedding_size=32,
+        intra_bottleneck_size=32,
+        true_hidden_size=32,
+        num_feedforward_networks=2,
+        intermediate_size=64,
+        num_key_value_heads=_DROP,
+        head_dim=_DROP,
+    ),
+    # a conformer speech encoder: its conv modules hold BatchNorm1d over (B, C, T)
+    "wav2vec2-conformer": dict(
+        vocab_size=32,
+        conv_dim=(32, 32),
+        conv_stride=(5, 4),
+        conv_kernel=(10, 8),
+        num_feat_extract_layers=2,
+        conv_depthwise_kernel_size=7,
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        num_key_value_heads=_DROP,
+        head_dim=_DROP,
+        max_position_embeddings=_DROP,
+    ),
+    # convolutional vision models: BatchNorm2d after bias-free (ResNet) and biased (SwiftFormer) convolutions
+    "resnet": dict(
+        embedding_size=8,
+        hidden_sizes=[8, 16, 24, 32],
+        depths=[1, 1, 1, 1],
+        image_size=32,
+        **{k: _DROP for k in BASE_CONFIG},
+    ),
+    "swiftformer": dict(
+        depths=[1, 1, 1, 1],
+        embed_dims=[8, 16, 24, 32],
+        mlp_ratio=2,
+        image_size=32,
+        **{k: _DROP for k in BASE_CONFIG},
+    ),
 }
 
 
@@ -222,8 +260,16 @@ ZOO: list[ZooEntry] = [
     ZooEntry("falcon_h1", "falcon_h1"),
     ZooEntry("jamba", "jamba"),
     ZooEntry("bert", "bert"),
+    ZooEntry("mobilebert", "mobilebert"),
+    ZooEntry("wav2vec2_conformer", "wav2vec2-conformer"),
+    ZooEntry("resnet", "resnet"),
+    ZooEntry("swiftformer", "swiftformer"),
     ZooEntry("custom", "custom"),
 ]
+
+# model types loaded headless (``AutoModel``) and compared on their last hidden state: encoders without an
+# LM head, speech and vision backbones
+_HEADLESS = {"bert", "mobilebert", "wav2vec2-conformer", "resnet", "swiftformer"}
 
 
 def _auto_class(config):
@@ -231,7 +277,7 @@ def _auto_class(config):
 
     if getattr(config, "is_encoder_decoder", False):
         return transformers.AutoModelForSeq2SeqLM
-    if config.model_type == "bert":  # the post-LN encoder itself, compared on last_hidden_state
+    if config.model_type in _HEADLESS:  # the encoder itself, compared on last_hidden_state
         return transformers.AutoModel
     return transformers.AutoModelForCausalLM
 
@@ -251,15 +297,22 @@ def tiny_config(model_type: str, **config_overrides):
 
 
 @torch.no_grad()
-def randomize_norms(model: nn.Module, seed: int = 1) -> None:
-    """Set every norm's scale to its identity (1, or 0 for ``(1 + w)`` norms) plus U(-0.5, 0.5), and every
-    norm bias to U(-0.5, 0.5), in place. Norms are found by ``normswap.inspect`` (behaviour, not names)."""
+def randomize_norms(model: nn.Module, seed: int = 1, example_inputs=None) -> None:
+    """Set every norm's scale to its identity (1, or 0 for ``(1 + w)`` norms) plus U(-0.5, 0.5), every
+    norm bias and BatchNorm running mean to U(-0.5, 0.5) and every running variance to 1 + U(-0.5, 0.5), in
+    place. Norms are found by ``normswap.inspect`` (behaviour, not names) on ``example_inputs`` (default:
+    ``normswap.walk.example_inputs``)."""
     from normswap.convert import inspect
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    for site in inspect(model):
+    for site in inspect(model, example_inputs=example_inputs):
         module = model.get_submodule(site.name)
-        for attr, base in ((site.weight, 1.0 - site.offset), (site.bias, 0.0)):
+        for attr, base in (
+            (site.weight, 1.0 - site.offset),
+            (site.bias, 0.0),
+            (site.mean, 0.0),
+            (site.var, 1.0),
+        ):
             if attr is None:
                 continue
             p = getattr(module, attr)
@@ -282,7 +335,8 @@ def tiny_model(model_type: str, seed: int = 0, **config_overrides) -> nn.Module:
 
     Returns:
         The model (``AutoModelForCausalLM``; ``AutoModelForSeq2SeqLM`` for encoder-decoders, ``AutoModel``
-        for BERT). Its forward takes ``input_ids`` of shape ``(batch, seq)``, int64 in ``[0, 128)``.
+        for BERT, MobileBERT and the speech and vision backbones). Its forward takes ``input_ids`` of shape
+        ``(batch, seq)``, int64 in ``[0, 128)``, or a waveform / image (``normswap.walk.signal_inputs``).
     """
     torch.manual_seed(seed)
     if model_type == "custom":
@@ -366,17 +420,26 @@ def example_ids(batch: int = 2, seq: int = 16, vocab: int = 128, seed: int = 3) 
     return torch.randint(0, vocab, (batch, seq), generator=gen, device="cpu")
 
 
+def example_inputs(model: nn.Module, seed: int = 3):
+    """What the zoo compares a model on: ``example_ids(seed=seed)``, or for a model whose main input is a
+    waveform or an image a ``normswap.walk.signal_inputs`` of another seed (and, for a waveform, another
+    length) than the conversion traces with."""
+    from normswap.walk import signal_inputs
+
+    signal = signal_inputs(model, seed=seed, samples=4800)
+    return signal if signal is not None else example_ids(seed=seed).to(next(model.parameters()).device)
+
+
 @torch.no_grad()
-def model_outputs(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def model_outputs(model: nn.Module, inputs) -> torch.Tensor:
     """The tensor the zoo compares: ``logits`` (``(B, T, vocab)``), or ``last_hidden_state`` for a bare
-    encoder, or the model's own output when it returns a tensor. Encoder-decoders get ``input_ids`` as
-    decoder input too."""
-    kwargs = {"input_ids": input_ids}
-    if getattr(model, "config", None) is not None:
-        kwargs["use_cache"] = False
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        kwargs["decoder_input_ids"] = input_ids
-    out = model(**kwargs)
+    encoder, or the model's own output when it returns a tensor. ``inputs``: ``(B, T)`` ids (encoder-decoders
+    get them as decoder input too; ``use_cache=False`` where the forward takes it) or
+    ``normswap.walk.ExampleInputs``, used as given."""
+    from normswap.walk import example_inputs as walk_inputs
+
+    example = walk_inputs(model, inputs)
+    out = model(*example.args, **example.kwargs)
     if isinstance(out, torch.Tensor):
         return out
     logits = getattr(out, "logits", None)
@@ -388,7 +451,7 @@ class ZooResult:
     """One coverage row: what ``convert`` did on a zoo model and how close its outputs stayed.
 
     ``max_abs_diff`` is the float32 max abs difference of the outputs against the unconverted deepcopy on
-    ``example_ids()``; ``top1`` the fraction of positions whose argmax agrees.
+    ``example_inputs(model)``; ``top1`` the fraction of positions whose argmax agrees.
     """
 
     name: str
@@ -429,7 +492,7 @@ def run_entry(entry: ZooEntry, device: str | torch.device = "cpu") -> ZooResult:
     try:
         model = tiny_model(entry.model_type, **entry.overrides).to(device)
         reference = copy.deepcopy(model)
-        ids = example_ids().to(device)
+        ids = example_inputs(model)
         before = model_outputs(reference, ids)
         report = convert(model)
         after = model_outputs(model, ids)
@@ -504,23 +567,31 @@ def coverage_markdown(results: list[ZooResult]) -> str:
         f"Each row is a tiny random model built from its transformers {transformers.__version__} config",
         "(vocab 128, hidden 64, 2 layers; float32) with every norm weight and bias re-randomized",
         "(identity + U(-0.5, 0.5)), converted in place by `normswap.convert(model)` (fold + swap), and",
-        "compared with its unconverted deepcopy on 2 x 16 token ids the conversion did not trace with.",
-        f"Passed: max abs logit difference <= {TOLERANCE:g}, top-1 agreement 100%, every norm swapped.",
+        "compared with its unconverted deepcopy on 2 x 16 token ids the conversion did not trace with",
+        "(speech and vision rows: a random waveform or image of another seed). BatchNorm and affine-only",
+        "norms (`batchnorm`, `affine`) are folded into a neighbouring linear map or convolution where exact,",
+        "never swapped; the `kinds` column counts the sites of each kind.",
+        f"Passed: max abs logit difference <= {TOLERANCE:g}, top-1 agreement 100%, every RMSNorm and",
+        "LayerNorm swapped (but those called with another input, which are left in place).",
         "The difference is shown as a power of ten at least twice its value (its digits vary between CPUs).",
         "`custom` is `normswap.zoo.CustomLM`: hand-written norms named `Squash`/`Standardize` with",
         "parameters `gain`, `alpha`, `beta`, no config, no transformers classes.",
         "",
         f"**{passed} / {len(results)} passed.**",
         "",
-        "| architecture | model_type | norms | folded | swapped | max abs diff | top-1 | passed "
-        "| swapped only (why) |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|",
+        "| architecture | model_type | norms | kinds | folded | swapped | max abs diff | top-1 | passed "
+        "| not folded (why) |",
+        "|---|---|---:|---|---:|---:|---:|---:|---|---|",
     ]
     for r in results:
         why = f"error: {r.error}" if r.error else _swapped_only(r)
         diff = magnitude_bound(r.max_abs_diff)
+        kinds = {}
+        for site in r.sites:
+            kinds[site.kind] = kinds.get(site.kind, 0) + 1
+        kinds_text = ", ".join(f"{count} {kind}" for kind, count in kinds.items()) or "-"
         lines.append(
-            f"| {r.name} | {r.model_type} | {r.found} | {r.folded} | {r.swapped} | {diff} | "
+            f"| {r.name} | {r.model_type} | {r.found} | {kinds_text} | {r.folded} | {r.swapped} | {diff} | "
             f"{r.top1:.0%} | {'yes' if r.passed else '**no**'} | {why.replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"

@@ -32,7 +32,8 @@ class Reference:
     """What :func:`compare` needs from the original model, so that the original can be converted in place.
 
     Attributes:
-        input_ids: ``(B, T)`` long, CPU.
+        input_ids: ``(B, T)`` long, CPU; or, for a model that reads no token ids (a waveform, an image), the
+            ``normswap.walk.ExampleInputs`` it was run on.
         output: ``"logits"`` (causal LM) or ``"last_hidden_state"`` (encoder without a head).
         dtype: the original model's dtype name (chooses the tolerance policy).
         outputs: ``(B*T, V)`` logits (or ``(B*T, D)`` hidden states) in the model's output dtype, on the CPU;
@@ -153,17 +154,33 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
     return getattr(model, "dtype", None) or next(model.parameters()).dtype
 
 
+def _is_ids(inputs) -> bool:
+    return isinstance(inputs, torch.Tensor)
+
+
+def _targets(inputs) -> torch.Tensor | None:
+    """Next-token targets of token ids; None for other inputs (compared on hidden states only)."""
+    return next_token_targets(inputs) if _is_ids(inputs) else None
+
+
 @torch.no_grad()
-def _forward(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
+def _forward(model: torch.nn.Module, input_ids) -> tuple[str, torch.Tensor]:
     """One forward; returns (output kind, ``(B*T, V or D)`` output on the CPU).
 
     The inputs are the walk's (``normswap.walk.example_inputs``): ``input_ids``, ``use_cache=False`` where
-    the forward takes it, and for an encoder-decoder the same ids as ``decoder_input_ids``.
+    the forward takes it, and for an encoder-decoder the same ids as ``decoder_input_ids``; or
+    ``ExampleInputs`` as given (a waveform, an image: the rows are then every position of the output).
     """
     from normswap.walk import example_inputs
 
     example = example_inputs(model, input_ids)  # the ids on the model's input device
-    out = model(*example.args, **example.kwargs)
+    args, kwargs = example.args, example.kwargs
+    if not _is_ids(input_ids):  # explicit inputs (a waveform, an image), moved to the model's input device
+        from torch.utils._pytree import tree_map
+
+        device = _device(model)
+        args, kwargs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    out = model(*args, **kwargs)
     logits = getattr(out, "logits", None)
     kind, value = ("logits", logits) if logits is not None else ("last_hidden_state", None)
     if value is None:
@@ -203,10 +220,14 @@ def _refuse_nonfinite(outputs: torch.Tensor, input_ids: torch.Tensor, kind: str,
     if not bad.any():
         return
     rows = bad.any(-1).nonzero().flatten()
-    batch, pos = divmod(int(rows[0]), input_ids.shape[1])
+    if _is_ids(input_ids):
+        batch, pos = divmod(int(rows[0]), input_ids.shape[1])
+        where = f"batch {batch} position {pos}"
+    else:
+        where = f"output row {int(rows[0])}"
     raise NormswapError(
         f"the original model's {kind}{what} are not finite ({int(bad.sum())} NaN or infinite values, "
-        f"first at batch {batch} position {pos}): the input model is broken, there is nothing to check"
+        f"first at {where}): the input model is broken, there is nothing to check"
     )
 
 
@@ -255,7 +276,9 @@ def reference_outputs(
     Args:
         model: the original model (``AutoModelForCausalLM`` with ``.logits`` or an encoder with
             ``.last_hidden_state``), in eval mode.
-        input_ids: ``(B, T)`` long token ids (``default_input_ids`` gives real text).
+        input_ids: ``(B, T)`` long token ids (``default_input_ids`` gives real text), or
+            ``normswap.walk.ExampleInputs`` for a model that reads no ids (``normswap.walk.signal_inputs``
+            makes a waveform or an image); compared on its last hidden state, no greedy continuation.
         sites: ``NormSite`` records (from ``normswap.inspect``/the walk) or norm module names, to localize a
             divergence; ``None`` skips localization.
         greedy_tokens: new tokens to generate greedily for the generation-agreement metric.
@@ -268,10 +291,11 @@ def reference_outputs(
         NormswapError: the original's outputs hold a NaN or inf (a broken input model: no conversion of
             it can be checked); the line names the count and the first position.
     """
-    if input_ids.ndim != 2 or input_ids.is_floating_point() or input_ids.shape[1] < 2:
-        raise ValueError(f"input_ids must be a (B, T>=2) integer tensor, got {tuple(input_ids.shape)}")
-    input_ids = input_ids.cpu()
-    targets = next_token_targets(input_ids)
+    if _is_ids(input_ids):
+        if input_ids.ndim != 2 or input_ids.is_floating_point() or input_ids.shape[1] < 2:
+            raise ValueError(f"input_ids must be a (B, T>=2) integer tensor, got {tuple(input_ids.shape)}")
+        input_ids = input_ids.cpu()
+    targets = _targets(input_ids)
     dtype = dtype_name(_model_dtype(model))
     probes = plan_probes(model, sites) if sites else []
     with Capture(model, probes, input_ids, records and records()) as cap:
@@ -289,7 +313,7 @@ def reference_outputs(
         del outputs
         full, summary = _keep(up, targets, kind, max_logits_bytes)
         ref.upcast = full if full is not None else summary
-    if greedy_tokens and kind == "logits":
+    if greedy_tokens and kind == "logits" and _is_ids(input_ids):
         ref.greedy = _greedy(model, input_ids, greedy_tokens)
     ref.peak_rss_mib = peak_rss_mib()
     return ref
@@ -326,15 +350,19 @@ def compare(
         ValueError: if ``input_ids`` differs from the reference's, or the converted model's output kind or
             shape differs from the original's.
     """
-    if input_ids is not None and not torch.equal(input_ids.cpu(), reference.input_ids):
+    if input_ids is not None and (
+        _is_ids(input_ids) != _is_ids(reference.input_ids)
+        or (_is_ids(input_ids) and not torch.equal(input_ids.cpu(), reference.input_ids))
+    ):
         raise ValueError("input_ids differ from the ones the reference was computed on")
     ids = reference.input_ids
-    targets = next_token_targets(ids)
+    targets = _targets(ids)
     tol = default_tolerance(reference.dtype) | dict(tolerance or {})
     with Capture(converted_model, reference.probes, ids, records and records()) as cap:
         kind, conv = _forward(converted_model, ids)
     ref_out = reference.outputs if reference.outputs is not None else reference.summary
-    if kind != reference.output or conv.shape[0] != ids.numel():
+    rows = ids.numel() if _is_ids(ids) else ref_out.shape[0]
+    if kind != reference.output or conv.shape[0] != rows:
         raise ValueError(
             f"converted model returns {kind} {tuple(conv.shape)}, the original {reference.output}"
         )
@@ -375,7 +403,7 @@ def compare(
         top5_agreement=m.get("top5"),
         ppl_original=perplexity(m["nll_ref"], m["n_targets"]) if is_logits else None,
         ppl_converted=perplexity(m["nll_conv"], m["n_targets"]) if is_logits else None,
-        tokens=ids.numel(),
+        tokens=rows,
         dtype=reference.dtype,
         tolerance=tol,
         passed=not failures,

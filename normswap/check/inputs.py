@@ -94,6 +94,27 @@ def command_input_ids(source, model_config, tokenizer, tokens: int | None, *, re
         raise NormswapError(f"{source}: {error}") from error
 
 
+def signal_check_inputs(source, model, tokens: int | None):
+    """The check's input for a ``model`` that reads a waveform or an image (``normswap.walk.signal_inputs``,
+    torch seed 0) and its report entry, or None for a model that reads token ids.
+
+    Raises:
+        NormswapError: ``tokens`` given (``--tokens`` counts token ids; such a model reads none).
+    """
+    from normswap.walk import signal_inputs
+
+    signal = signal_inputs(model)
+    if signal is None:
+        return None
+    name, value = next(iter(signal.kwargs.items()))
+    what = "a waveform" if name == "input_values" else "an image"
+    if tokens is not None:
+        raise NormswapError(f"--tokens does not apply to {source}: it reads {what} ({name}), not token ids")
+    entry = {"source": "random", "input": name, "shape": list(value.shape), "seed": 0,
+             "reason": f"{source} reads {what}, not token ids"}  # fmt: skip
+    return signal, entry
+
+
 def text_ids(tokenizer, text: str, tokens: int, *, source, what: str):
     """The first ``tokens`` ids of ``text`` as a ``(1, tokens)`` long tensor.
 

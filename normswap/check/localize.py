@@ -3,9 +3,11 @@
 Probe points, chosen from the norm sites:
 
 * the input of every norm (the residual stream or branch value it normalizes; a fold or swap never
-  changes it, so a mismatch here means the change happened upstream);
+  changes it, so a mismatch here means the change happened upstream), except for a per-channel map folded
+  into the producer of its input (whose output then changes by design): its output instead;
 * the output of every consumer module of a norm (q/k/v, gate/up, lm_head, ...: after a fold these
-  must still match, as the norm's scale now lives in their weights);
+  must still match, as the norm's scale now lives in their weights), but not of a module that is also
+  the producer a per-channel map folded into;
 * the output of norms that are not folded (a swap alone must keep the output);
 * the output of every decoder layer (modules whose class is in ``model._no_split_modules``).
 
@@ -50,15 +52,20 @@ def plan_probes(model: torch.nn.Module, sites) -> list[Probe]:
     """
     modules = dict(model.named_modules())
     probes: list[Probe] = []
+    # producers that take a per-channel map's fold: their outputs change by design, never probed as consumers
+    producers = {p.module for s in sites or [] if (p := getattr(s, "producer", None)) is not None}
     for site in sites or []:
         name = _site_name(site)
-        probes.append(Probe(name, "input", "norm input", name))
+        into_producer = getattr(site, "producer", None) is not None
+        if not into_producer:  # a fold into the producer of a norm's input changes that input by design
+            probes.append(Probe(name, "input", "norm input", name))
         if isinstance(site, str):
             continue
-        if not site.foldable and not site.folded:
+        if (not site.foldable and not site.folded) or into_producer:
             probes.append(Probe(name, "output", "norm output", name))
         for consumer in dict.fromkeys(c.module for c in site.consumers):
-            probes.append(Probe(consumer, "output", "consumer output", name))
+            if consumer not in producers:
+                probes.append(Probe(consumer, "output", "consumer output", name))
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     for name, module in modules.items():
         if type(module).__name__ in layer_classes and "embed" not in type(module).__name__.lower():
@@ -108,7 +115,8 @@ class Capture:
         records: MutableMapping[str, torch.Tensor] | None = None,
     ):
         self.model, self.probes = model, probes
-        self.batch, self.seq = input_ids.shape
+        # token ids say which axes are (batch, position); other inputs (ExampleInputs): flat samples
+        self.batch, self.seq = input_ids.shape if isinstance(input_ids, torch.Tensor) else (0, 0)
         self.positions = sample_positions(self.seq)
         self.records: MutableMapping[str, torch.Tensor] = {} if records is None else records
         self._handles: list = []
@@ -152,7 +160,8 @@ def layer_index(name: str) -> int | None:
 def _action(site) -> str:
     if site is None or isinstance(site, str):
         return "unknown (no NormSite record given)"
-    done = [w for w, flag in (("folded into its consumers", site.folded), ("swapped", site.swapped)) if flag]
+    into = "its producer" if getattr(site, "producer", None) is not None else "its consumers"
+    done = [w for w, flag in ((f"folded into {into}", site.folded), ("swapped", site.swapped)) if flag]
     text = " and ".join(done) if done else "left unchanged"
     return f"{text} ({site.reason})" if site.reason else text
 

@@ -45,7 +45,8 @@ class Expected:
         architecture: the model's class name (``LlamaForCausalLM``, ``T5ForConditionalGeneration``, ...).
         dtype: the model's dtype name (``"float32"``, ...), the dtype the fresh load uses.
         tensors: state-dict name -> ``(dtype name, shape, blake2b hex digest of the bytes)``.
-        input_ids: ``(1, T)`` long ids on the CPU.
+        input_ids: ``(1, T)`` long ids on the CPU, or the ``normswap.walk.ExampleInputs`` (a waveform, an
+            image) of a model that reads no token ids.
         output: ``"logits"`` or ``"last_hidden_state"``.
         outputs: ``(T, V or D)`` outputs of the in-memory model, in its dtype, on the CPU.
         note: how the saved model relates to the one in memory (``None``: it is the same model).
@@ -143,7 +144,8 @@ def record_expected(
     Args:
         model: a transformers ``PreTrainedModel``; a PEFT model is recorded as the merged copy that
             ``save_converted`` writes (``normswap.io.adapters.plain_model``; one more model in memory).
-        input_ids: ``(B, T)`` long ids (the check's); the first row's first ``tokens`` ids are used.
+        input_ids: ``(B, T)`` long ids (the check's); the first row's first ``tokens`` ids are used. Or
+            ``normswap.walk.ExampleInputs`` for a model that reads no ids: used whole.
         tokens: how many ids to run (the outputs kept are ``tokens x V``).
         note: recorded in the result (e.g. that adapters were merged).
 
@@ -154,7 +156,7 @@ def record_expected(
     from normswap.device import placement
     from normswap.io.adapters import plain_model
 
-    ids = input_ids[:1, :tokens].cpu()
+    ids = input_ids[:1, :tokens].cpu() if isinstance(input_ids, torch.Tensor) else input_ids
     model, merged = plain_model(model)  # what save_converted writes for a PEFT model
     note = merged if note is None else note
     kind, outputs = _forward(model, ids)
@@ -285,7 +287,7 @@ def verify_saved(
         architecture=type(fresh).__name__,
         expected_architecture=expected.architecture,
         tensors=len(expected.tensors),
-        tokens=expected.input_ids.numel(),
+        tokens=expected.outputs.shape[0],
         output=kind,
         max_abs_diff=fused_diff,
         max_abs_diff_plain=plain_diff,
