@@ -242,6 +242,23 @@ def test_the_identity_left_behind_returns_the_input_bit_for_bit(dtype):
     assert "is not exact in" in identity_error(wrong, model[1])
 
 
+def test_a_pure_scale_folds_into_a_bias_free_producer():
+    class LayerScale(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.rand(c) + 0.5)
+
+        def forward(self, x):
+            return x * self.gamma
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8, bias=False), LayerScale(8), nn.GELU()).eval()
+    _, sites, diff = _convert(model, torch.randn(2, 3, 6), torch.randn(4, 5, 6))
+    site = sites["1"]
+    assert (site.kind, site.weight, site.bias, site.producer.module) == ("affine", "gamma", None, "0")
+    assert site.folded and diff < TOL and torch.equal(model[1].gamma, torch.ones(8))
+
+
 def test_a_batchnorm_the_trace_never_reaches_is_listed():
     class Idle(nn.Module):
         def __init__(self):
@@ -327,6 +344,10 @@ def test_cli_converts_a_speech_model_on_a_random_waveform(tmp_path):
         main, ["convert", str(tmp_path / "w2v"), "-o", str(tmp_path / "o2"), "--tokens", "8"]
     )
     assert refused.exit_code == 2 and "--tokens does not apply" in refused.output
+    checked = runner.invoke(
+        main, ["check", str(tmp_path / "w2v"), str(tmp_path / "out")], catch_exceptions=False
+    )
+    assert checked.exit_code == 0 and "PASS" in checked.output and "last_hidden_state" in checked.output
 
 
 def test_randomize_norms_moves_batchnorm_statistics():

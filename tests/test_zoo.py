@@ -140,7 +140,7 @@ def test_zoo_cli_writes_the_table(tmp_path):
     assert result.exit_code == 0, result.output
     assert result.output.strip() == f"wrote {out}: 2 / 2 rows passed"
     text = out.read_text()
-    assert "| llama | llama | 5 | 5 | 5 | < 1e-" in text and "| custom | custom |" in text
+    assert "| llama | llama | 5 | 5 rmsnorm | 5 | 5 | < 1e-" in text and "| custom | custom |" in text
     bad = CliRunner().invoke(main, ["zoo", "--only", "nosuch"])
     assert bad.exit_code == 2 and "unknown zoo row" in bad.output
 

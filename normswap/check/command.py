@@ -71,6 +71,7 @@ def check_command(
         check_same_model,
         command_input_ids,
         default_tokens,
+        signal_check_inputs,
         text_ids,
     )
     from normswap.evaluate import load_for_eval, read_text
@@ -83,18 +84,25 @@ def check_command(
     converted_config = load.load_config(resolve(converted), trust_remote_code=trust_remote_code)
     kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, device=device)
     model, tokenizer = load_for_eval(original, **kw)
-    if tokenizer is None:
+    signal = signal_check_inputs(original, model, tokens)  # a speech or vision model: a random input
+    if signal is not None and (text_file is not None or greedy):
+        option = "--text" if text_file is not None else "--greedy"
+        raise NormswapError(f"{option} does not apply to {original}: {signal[1]['reason']}")
+    if signal is None and tokenizer is None:
         raise NormswapError(f"{original}: no tokenizer found")
     # models that differ are named before any forward pass (an IndexError or a size mismatch otherwise)
     check_same_model(original, model.config, converted, converted_config)
-    if text_file is None:
+    if signal is not None:
+        input_ids = signal[0]
+    elif text_file is None:
         input_ids = command_input_ids(original, model.config, tokenizer, tokens, reserve=(greedy, "--greedy"))
     else:
         tokens = tokens or default_tokens(model.config, greedy)
         input_ids = text_ids(tokenizer, read_text(text_file)[0], tokens, source=text_file, what="--tokens")
-    count = input_ids.shape[1]
-    what = f"--tokens {count}" + (f" + --greedy {greedy}" if greedy else "")
-    check_positions(count + greedy, what, {original: model.config, converted: converted_config})
+    if signal is None:
+        count = input_ids.shape[1]
+        what = f"--tokens {count}" + (f" + --greedy {greedy}" if greedy else "")
+        check_positions(count + greedy, what, {original: model.config, converted: converted_config})
     sites = _manifest_sites(converted)
     names = {name for name, _ in model.named_modules()}
     if sites and not all(site.name in names for site in sites):
