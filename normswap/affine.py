@@ -159,11 +159,12 @@ def _roles(module: nn.Module, shape, axis, scale, shift) -> dict[str, str] | Non
 
 
 def _snap_eps(estimate: float, module: nn.Module) -> float:
-    """A float attribute of the module within 2% of the measured eps (BatchNorm's ``eps``), else 3 digits."""
+    """A float attribute of the module within 2% of the measured eps (BatchNorm's ``eps``), else the estimate
+    to 6 digits (exact to ~1e-11 for a module that computes in float64: a hard-coded 1e-3 reads as 1e-3)."""
     for value in vars(module).values():
         if isinstance(value, float) and value > 0 and abs(value - estimate) <= 0.02 * estimate:
             return value
-    return float(f"{estimate:.2e}") if estimate > 0 else 0.0
+    return float(f"{estimate:.5e}") if estimate > 0 else 0.0
 
 
 def _span(t: torch.Tensor) -> list[float]:

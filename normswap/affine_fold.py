@@ -145,7 +145,8 @@ def _folded(site, c: Consumer, weight, bias, scale, shift):
     return new_weight, new_bias
 
 
-def _overflow(site, model, scale, shift, read) -> str | None:
+def _overflow(site, scale, shift, read) -> str | None:
+    """Why folding would store a value beyond a target's dtype range (float16: 65504), or None."""
     for c in _targets(site):
         weight = read(c.param)
         bias = read(c.bias) if c.bias else None
@@ -196,7 +197,7 @@ def plan_affine(
         module = model.get_submodule(site.name)
         scale, shift = scale_and_shift(site, module)
         reason = (
-            _sharing(site, walk, taken) or _overflow(site, model, scale, shift, read)
+            _sharing(site, walk, taken) or _overflow(site, scale, shift, read)
             or identity_error(site, module)
         )  # fmt: skip
         if reason:

@@ -19,6 +19,7 @@ from torch import nn
 
 import normswap
 from normswap.affine import probe_affine
+from normswap.sites import NormSite
 from normswap.zoo import randomize_norms, tiny_model
 
 TOL = 1e-5
@@ -156,6 +157,8 @@ def test_batchnorms_fold_into_convolutions_along_their_channels():
     assert [c.module for c in sites["bn3"].consumers] == ["reflect"] and sites["bn3"].consumers[0].groups == 8
     assert sites["bn4"].kind == "batchnorm" and sites["bn4"].consumers[0].groups == 4
     assert report.norms_folded == 5 and report.norms_swapped == 0
+    for site in report.sites:  # what normswap.json stores reads back as the same record
+        assert NormSite.from_dict(json.loads(json.dumps(site.to_dict()))) == site
     x = torch.randn(2, 8, 4, 4)
     assert torch.equal(model.bn1(x), x)  # identity left behind, bit for bit (running var 1 - eps)
 
