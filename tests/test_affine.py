@@ -262,6 +262,20 @@ def test_a_pure_scale_folds_into_a_bias_free_producer():
     assert site.folded and diff < TOL and torch.equal(model[1].gamma, torch.ones(8))
 
 
+def test_a_fold_that_would_overflow_float16_is_refused_before_anything_is_written():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()).eval()
+    with torch.no_grad():
+        model[0].weight.fill_(100.0)
+        model[1].weight.fill_(1000.0)  # 100 * 1000 / sqrt(1 + eps) > 65504
+    model = model.half()
+    before = copy.deepcopy(model.state_dict())
+    report = normswap.convert(model, example_inputs=(torch.randn(3, 4, dtype=torch.float16),))
+    site = report.sites[0]
+    assert not site.folded and site.reason.startswith("fold overflows float16 (0.weight")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_a_batchnorm_the_trace_never_reaches_is_listed():
     class Idle(nn.Module):
         def __init__(self):
