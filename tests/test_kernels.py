@@ -913,12 +913,12 @@ def test_auto_routing_decisions():
 
 
 @pytest.mark.compile
-def test_compiled_static_cache_generate_same_tokens(tiny_model):
+def test_compiled_converted_model_same_tokens(tiny_model):
     """A converted tiny Llama (norm weights re-randomized, then folded: identity weights in the fused norms)
-    under transformers' compiled decoding (static cache, fullgraph) and under ``torch.compile(model)``:
-    no graph break and the same greedy tokens as the unconverted model run the same way."""
+    under ``torch.compile(model, fullgraph=True)``: no graph break and the same greedy tokens as the
+    unconverted model compiled the same way. Transformers' compiled static-cache decoding (no recompile per
+    call, weighted norms, the custom-op route, Gemma 3) is tests/test_compile.py."""
     from torch._dynamo.utils import counters
-    from transformers import CompileConfig
 
     from normswap.convert import convert
 
@@ -936,26 +936,15 @@ def test_compiled_static_cache_generate_same_tokens(tiny_model):
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
     tokens = {}
     for label, model in (("original", original), ("converted", converted)):
-        # Dynamo's own backend keeps the test to graph capture (no inductor codegen on a 2-core CPU);
-        # _compile_all_devices makes generate compile on the CPU as it does on CUDA.
-        model.generation_config.compile_config = CompileConfig(fullgraph=True, backend="eager")
-        model.generation_config.compile_config._compile_all_devices = True
-        torch._dynamo.reset()
-        counters.clear()
-        with torch.no_grad():
-            out = model.generate(
-                ids, max_new_tokens=6, do_sample=False, cache_implementation="static", pad_token_id=0
-            )
-        assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], label
+        # Dynamo's own backend keeps the test to graph capture (no inductor codegen on a 2-core CPU).
         torch._dynamo.reset()
         counters.clear()
         compiled = torch.compile(model, backend="eager", fullgraph=True)
         with torch.no_grad():
             logits = compiled(ids).logits
         assert not counters["graph_break"], label
-        tokens[label] = (out, logits.argmax(-1))
-    assert torch.equal(tokens["converted"][0], tokens["original"][0])
-    assert torch.equal(tokens["converted"][1], tokens["original"][1])
+        tokens[label] = logits.argmax(-1)
+    assert torch.equal(tokens["converted"], tokens["original"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
