@@ -340,3 +340,28 @@ def test_cuda_timing_is_event_mean_of_back_to_back_calls(monkeypatch):
     assert seconds == pytest.approx(0.040 / bench.CUDA_CALLS)
     calls.clear()
     assert bench_kernels_mod._time_call(lambda: calls.append(1), torch.device("cpu")) >= 0 and len(calls) == 1
+
+
+def test_triton_sweep_dry_run_in_interpreter(tmp_path):
+    """``python -m normswap.bench.sweep`` (the GPU run's launch-configuration sweep) on the CPU in triton's
+    interpreter: every configuration of every op computes the default's output (0 ulps apart here), the
+    table and JSON are written; without a GPU or the interpreter it refuses in one line (exit 2)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "normswap.bench.sweep", "--device", "cpu", "--shapes", "300x64"]
+    args += ["--dtypes", "float32", "--rounds", "1", "--out", str(tmp_path), "--extended"]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "sweep.json").read_text())["results"]
+    assert {r["op"] for r in rows} == {"rms_norm llama", "rms_norm gemma", "layer_norm"}
+    assert {"default", "legacy", "persistent, early"} <= {r["label"] for r in rows}
+    for r in rows:
+        assert r["max_ulps_vs_default"] == 0.0 and r["median_s"] > 0, r
+    assert "| rms_norm llama 300x64 float32 |" in (tmp_path / "sweep.md").read_text()
+    env.pop("TRITON_INTERPRET")
+    proc = subprocess.run(args[:5] + ["--out", str(tmp_path / "x")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr

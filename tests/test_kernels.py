@@ -988,3 +988,47 @@ def test_cuda_triton_configs_and_identity_route(dtype):
             fused = _fused_for(hf).cuda().requires_grad_(False)
             assert fused._identity_weight(fused.weight)
             assert_ulp_close(fused(x), hf(x), max_frac=0.001)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_capture_of_fused_modules():
+    """The fused modules inside a captured CUDA graph (how compiled decoding and serving stacks run them):
+    capture succeeds (no host synchronization in the call: the identity decision is made before, at the
+    warm-up) and the replay equals the eager call bit for bit, for the auto route (torch's kernels at
+    decode sizes), the identity weight, and the triton kernel."""
+    pytest.importorskip("triton")
+    dt = torch.bfloat16
+    x = hidden((8, 4096), dt).cuda()
+    weighted = FusedRMSNorm(4096, 1e-6, device="cuda", dtype=dt).requires_grad_(False)
+    weighted.weight.copy_(noise(4096, 1.0, dtype=dt))
+    identity = FusedRMSNorm(4096, 1e-6, device="cuda", dtype=dt).requires_grad_(False)
+    gemma = FusedRMSNorm(4096, 1e-6, offset=1.0, cast_order="fp32", device="cuda", dtype=dt, backend="triton")
+    gemma.requires_grad_(False).weight.copy_(noise(4096, 0.0, seed=2, dtype=dt))
+    ln = FusedLayerNorm(4096, 1e-5, device="cuda", dtype=dt).requires_grad_(False)
+    ln.weight.copy_(noise(4096, 1.0, seed=3, dtype=dt))
+    ln.bias.copy_(noise(4096, 0.0, seed=4, dtype=dt))
+    ln_triton = FusedLayerNorm(4096, 1e-5, device="cuda", dtype=dt, backend="triton").requires_grad_(False)
+    ln_triton.load_state_dict(ln.state_dict())
+    triton_rms = FusedRMSNorm(4096, 1e-6, device="cuda", dtype=dt, backend="triton").requires_grad_(False)
+    triton_rms.load_state_dict(weighted.state_dict())
+    for module in (weighted, identity, gemma, ln, ln_triton, triton_rms):
+        with torch.no_grad():
+            want = module(x)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    module(x)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = module(x)
+            x_before = x.clone()
+            x.mul_(2)  # the replay reads the input's memory as it is then
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, module(x)), module
+            x.copy_(x_before)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), module
