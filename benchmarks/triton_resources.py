@@ -35,9 +35,10 @@ _TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 _POINTERS = ("X", "R", "W", "B", "Y", "HOUT")
 
 
-def resources(op: str, dtype: str, d: int, config, arch: int = 90) -> dict:
+def resources(op: str, dtype: str, d: int, config, arch: int = 90, extra: dict | None = None) -> dict:
     """Compile ``_norm_kernel`` for ``op`` (a key of ``OPS``), input/parameter ``dtype`` and rows of ``d``
     elements with ``config`` (``triton_norm.Config``) for ``sm_{arch}``; read the cubin with cuobjdump.
+    ``extra`` overrides constexpr flags (``HAS_RES``, ``PER_HEAD``, ...).
 
     Returns:
         ``{"registers", "local_bytes", "shared_bytes", "ldg128", "ldg_narrow", "stg128", "stg_narrow",
@@ -57,6 +58,7 @@ def resources(op: str, dtype: str, d: int, config, arch: int = 90) -> dict:
         ROWS=config.rows,
         BLOCK_D=config.block_d,
     )
+    flags.update(extra or {})
     signature, attrs = {}, {}
     for i, name in enumerate(tn._norm_kernel.arg_names):
         if name in flags:
