@@ -11,13 +11,6 @@
 #   zoo       `normswap zoo --device cuda`: every tiny architecture converted on the GPU in float32 (TF32
 #             off), every row within 1e-5 of the unconverted model;
 #   devmap    `normswap convert` of the Llama with `--device-map auto` (accelerate's placement);
-#   rotzoo    every tiny architecture rotated on the GPU (`normswap.convert(model, rotate="hadamard")`, float32):
-#             logits within 1e-5 of the original, or refused in one line (weighted post-norms);
-#   rotate    `normswap convert` of the Llama with `--rotate hadamard`: the bf16 check must pass;
-#   stream    the Llama streamed onto the GPU under `--max-memory $STREAM_BUDGET`: check passes and the peak
-#             device memory of the convert (torch's allocator) stays under the budget plus one decoder layer;
-#   auto      the automatic streaming choice: with a ballast process holding all but $AUTO_FREE of the GPU's
-#             memory, the plain `normswap convert --device cuda` (no memory flag) must stream and pass;
 #   time      prefill (8 x 2048) and decode (32 tokens) of the original vs the converted Llama, eager, and
 #             decode under transformers' compiled static cache (torch.compile, fullgraph, mode
 #             reduce-overhead: CUDA graphs; no recompile per call): the converted one must not be slower (3%
@@ -27,6 +20,13 @@
 #             module, Liger-Kernel when importable), decode sizes per call through the module (1, 8, 128
 #             rows) eager and replayed from a CUDA graph: $OUT/bench/norm_kernels.md holds the tables and the
 #             target verdicts (parity with torch's kernels, the eager module within 3 us of F.rms_norm);
+#   rotzoo    every tiny architecture rotated on the GPU (`normswap.convert(model, rotate="hadamard")`, float32):
+#             logits within 1e-5 of the original, or refused in one line (weighted post-norms);
+#   rotate    `normswap convert` of the Llama with `--rotate hadamard`: the bf16 check must pass;
+#   stream    the Llama streamed onto the GPU under `--max-memory $STREAM_BUDGET`: check passes and the peak
+#             device memory of the convert (torch's allocator) stays under the budget plus one decoder layer;
+#   auto      the automatic streaming choice: with a ballast process holding all but $AUTO_FREE of the GPU's
+#             memory, the plain `normswap convert --device cuda` (no memory flag) must stream and pass;
 #   sweep     `python -m normswap.bench.sweep`: the Triton kernel's launch configurations side by side on the
 #             table's shapes ($SWEEP_DTYPES), every configuration's output within 2 ulps of the default's.
 # rotzoo, rotate, stream and auto report SKIP when this checkout's `normswap convert` lacks the feature
@@ -55,7 +55,7 @@ OUT=${OUT:-benchmarks/results/cuda}
 DEVICE=${DEVICE:-cuda}
 SIZE=${SIZE:-1b}
 ZOO_ONLY=${ZOO_ONLY:-}
-PARTS=${PARTS:-tests llama gemma3 zoo devmap rotzoo rotate stream auto time bench sweep}
+PARTS=${PARTS:-tests llama gemma3 zoo devmap time bench rotzoo rotate stream auto sweep}
 BUDGET_S=${BUDGET_S:-480}
 AUTO_FREE=${AUTO_FREE:-4GiB}
 SWEEP_DTYPES=${SWEEP_DTYPES:-bfloat16}
@@ -345,27 +345,32 @@ fi
 part llama 120 convert_new llama llama --device "$DEVICE"
 part gemma3 120 convert_new gemma3 gemma3_text --device "$DEVICE"
 part zoo 120 zoo_rows
-if [ -d "$MODELS/llama-converted" ]; then
-  part devmap 90 convert_again devmap --device-map auto
-  part rotzoo 120 rotate_zoo
-  part rotate 150 rotate_llama
-  part stream 240 stream_convert
-  [ -n "$tests_pid" ] && wait "$tests_pid"  # the parts below take the whole GPU or time it
-  tests_pid=""
-  part auto 240 auto_stream
+llama_ok=""
+[ -d "$MODELS/llama-converted" ] && llama_ok=1
+[ -n "$llama_ok" ] && part devmap 90 convert_again devmap --device-map auto
+[ -n "$tests_pid" ] && wait "$tests_pid"  # the parts below time the GPU or take all of it
+if [ -n "$llama_ok" ]; then
   part time 360 python3 benchmarks/gpu_models.py time "$MODELS/llama" "$MODELS/llama-converted" \
     --device "$DEVICE" --json "$OUT/timings.json" "${TIMING[@]}"
-else
-  echo "FAIL devmap, rotate, stream, auto, time: no converted Llama (part llama failed)" | tee -a "$OUT/summary.txt"
-  part rotzoo 120 rotate_zoo
 fi
-[ -n "$tests_pid" ] && wait "$tests_pid"
 if [ "${DEVICE%%:*}" = cuda ]; then
   part bench 300 bench_part
-  part sweep 240 python3 -m normswap.bench.sweep --device "$DEVICE" --dtypes "$SWEEP_DTYPES" --rounds 7 \
+else
+  echo "SKIP bench: CUDA only (DEVICE=$DEVICE)" | tee -a "$OUT/summary.txt"
+fi
+part rotzoo 120 rotate_zoo
+if [ -n "$llama_ok" ]; then
+  part rotate 150 rotate_llama
+  part stream 240 stream_convert
+  part auto 240 auto_stream
+else
+  echo "FAIL devmap, time, rotate, stream, auto: no converted Llama (part llama failed)" | tee -a "$OUT/summary.txt"
+fi
+if [ "${DEVICE%%:*}" = cuda ]; then
+  part sweep 180 python3 -m normswap.bench.sweep --device "$DEVICE" --dtypes "$SWEEP_DTYPES" --rounds 7 \
     --out "$OUT/bench"
 else
-  echo "SKIP bench, sweep: CUDA only (DEVICE=$DEVICE)" | tee -a "$OUT/summary.txt"
+  echo "SKIP sweep: CUDA only (DEVICE=$DEVICE)" | tee -a "$OUT/summary.txt"
 fi
 rm -rf "$MODELS"  # ~6 GB of random weights at SIZE=1b
 echo "gpu_check: $(grep -c '^PASS' "$OUT/summary.txt") passed, $(grep -c '^FAIL' "$OUT/summary.txt") failed," \

@@ -56,6 +56,6 @@ def test_gpu_check_fails_when_a_part_fails(tmp_path):
     proc = _run(tmp_path, "time")  # no Llama generated: devmap and time cannot run
     assert proc.returncode == 1
     assert (
-        "FAIL devmap, rotate, stream, auto, time: no converted Llama"
+        "FAIL devmap, time, rotate, stream, auto: no converted Llama"
         in (tmp_path / "out" / "summary.txt").read_text()
     )
