@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -101,7 +102,8 @@ def sweep(
         One dict per (op, shape, dtype, configuration): ``op, tokens, hidden, dtype, label, config``
         (``[block_d, rows, warps, programs, early_params]``), ``median_s``, ``ratio_to_copy``,
         ``ratio_to_default``, ``max_ulps_vs_default`` (largest difference from the default configuration's
-        output in ulps of the output dtype: 0 or 1 expected).
+        output in ulps of the output dtype: 0 or 1 expected), ``host_s`` (host seconds per call to issue
+        it: at ``median_s`` the launch path is the bound).
 
     Raises:
         ValueError: ``rounds < 1``; RuntimeError: no CUDA device and no interpreter.
@@ -151,6 +153,7 @@ def sweep(
                     for name in names[k:] + names[:k]:
                         times[name].append(_time_call(cands[name], dev))
                 med = {n: statistics.median(v) for n, v in times.items()}
+                host = {label: _host_time(cands[label], dev) for label in configs}
                 for label, cfg in configs.items():
                     out.append(
                         {
@@ -164,16 +167,35 @@ def sweep(
                             "ratio_to_copy": med[label] / med["copy"],
                             "ratio_to_default": med[label] / med["default"],
                             "max_ulps_vs_default": ulps[label],
+                            "host_s": host[label],
                         }
                     )
                 if log is not None:
                     best = min(configs, key=lambda lb: med[lb])
                     base = med["default"] / med["copy"]
                     log(
-                        f"sweep {op} [{tokens}, {hidden}] {dname}: default {base:.2f}x of copy, best {best} "
-                        f"{med[best] / med['copy']:.2f}x"
+                        f"sweep {op} [{tokens}, {hidden}] {dname}: default {base:.2f}x of copy "
+                        f"({med['default'] * 1e6:.1f} us, host {host['default'] * 1e6:.1f} us to issue), "
+                        f"best {best} {med[best] / med['copy']:.2f}x"
                     )
     return out
+
+
+def _host_time(fn: Callable, dev: torch.device) -> float:
+    """Seconds the host spends per call issuing ``CUDA_CALLS`` calls (median of 5 blocks, each after a
+    synchronize, without waiting for the GPU): when this reaches the timed per-call time, the launch path,
+    not the kernel, sets the pace."""
+    from normswap.bench.kernels import CUDA_CALLS, _sync
+
+    samples = []
+    for _ in range(5):
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(CUDA_CALLS):
+            fn()
+        samples.append((time.perf_counter() - t0) / CUDA_CALLS)
+    _sync(dev)
+    return statistics.median(samples)
 
 
 def _ulp(t: torch.Tensor) -> torch.Tensor:
