@@ -187,13 +187,15 @@ def _host_time(fn: Callable, dev: torch.device) -> float:
     not the kernel, sets the pace."""
     from normswap.bench.kernels import CUDA_CALLS, _sync
 
+    cuda = dev.type == "cuda"
+    calls = CUDA_CALLS if cuda else 1  # the interpreter's dry run: the path, once
     samples = []
-    for _ in range(5):
+    for _ in range(5 if cuda else 1):
         _sync(dev)
         t0 = time.perf_counter()
-        for _ in range(CUDA_CALLS):
+        for _ in range(calls):
             fn()
-        samples.append((time.perf_counter() - t0) / CUDA_CALLS)
+        samples.append((time.perf_counter() - t0) / calls)
     _sync(dev)
     return statistics.median(samples)
 
