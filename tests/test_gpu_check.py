@@ -18,6 +18,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 def _run(tmp_path: Path, parts: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DEVICE": "cpu", "SIZE": "tiny", "PARTS": parts}
     env["ZOO_ONLY"] = "llama gemma3_text"
+    env["BUDGET_S"] = "3600"  # a loaded CI machine must not leave parts out for time
     return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -50,6 +51,18 @@ def test_gpu_check_dry_run(tmp_path):
     assert compiled["unique_graphs_after_timing"] == compiled["unique_graphs_after_warmup"]  # no recompile
     assert timings["decode_compiled"]["converted_ms"] > 0
     assert not (tmp_path / "out" / "models").exists()  # the generated checkpoints are removed
+
+
+def test_gpu_check_time_budget(tmp_path):
+    """A part whose time limit no longer fits in BUDGET_S is not started: listed as skipped for the budget,
+    with the PARTS to run it by."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "DEVICE": "cpu", "SIZE": "tiny", "PARTS": "llama zoo"}
+    env["BUDGET_S"] = "100"  # llama's limit is 120 s
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "SKIP llama: time budget" in summary and "rerun with PARTS=llama" in summary
+    assert "SKIP zoo: time budget" in summary
+    assert proc.returncode == 1 and "FAIL devmap, time, rotate, stream, auto: no converted Llama" in summary
 
 
 def test_gpu_check_fails_when_a_part_fails(tmp_path):
