@@ -16,12 +16,20 @@ CPU dry run of the same code.
 ``time`` loads the original (transformers) and the converted checkpoint (``normswap.load_pretrained``,
 fused norms in place) on ``--device`` and times, in alternating rounds, a prefill of ``--batch`` x
 ``--prefill`` tokens (``logits_to_keep=1``) and a decode of ``--decode`` tokens one at a time with a KV
-cache; medians in ms. Exit 1 when the converted model is slower than the original by more than
-``--slack`` (default 3%: round-to-round noise of a GPU at these sizes) in either.
+cache; medians in ms. With ``--compiled`` it also times decoding as production runs it: transformers'
+compiled static-cache path (``generate(cache_implementation="static")`` with a ``CompileConfig``:
+``torch.compile`` of the decode step, ``fullgraph=True``, mode ``reduce-overhead``, i.e. CUDA graphs on a
+GPU). Per token = (time of ``generate`` to ``--decode`` + 2 new tokens - time to 2 new tokens) / ``--decode``,
+both calls with the same static cache size (a stopping criterion ends the shorter one), so the eager prefill
+and the cache set-up cancel. After a warm-up that compiles, the timed calls run under
+``torch.compiler.set_stance("fail_on_recompile")``: a recompile per call fails the part, as does a graph
+break (``fullgraph``). Exit 1 when the converted model is slower than the original by more than
+``--slack`` (default 3%: round-to-round noise of a GPU at these sizes) in any phase.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -129,6 +137,41 @@ def _timed(fn, device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+class _StopAt:
+    """A stopping criterion: stop once the sequence is ``length`` tokens long (the static cache's size is
+    set by ``max_new_tokens``, so two calls with one size can stop at different lengths)."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = input_ids.shape[-1] >= self.length
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+def _compiled_generate(model, prompt, max_new: int, stop_after: int):
+    """transformers' compiled static-cache decoding of ``stop_after`` new tokens (cache for ``max_new``)."""
+    from transformers import StoppingCriteriaList
+
+    with torch.no_grad():
+        model.generate(
+            prompt, max_new_tokens=max_new, do_sample=False, cache_implementation="static",
+            stopping_criteria=StoppingCriteriaList([_StopAt(prompt.shape[-1] + stop_after)]), pad_token_id=0,
+        )  # fmt: skip
+
+
+def _setup_compiled(model, backend: str, mode: str | None, device: torch.device) -> None:
+    """Give ``model`` transformers' compile config (fullgraph) and no end-of-sequence token (random weights
+    would stop decoding at random)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, **({"mode": mode} if mode else {}))
+    if device.type != "cuda":  # transformers compiles decoding on CUDA only unless told otherwise
+        config._compile_all_devices = True
+    model.generation_config.compile_config = config
+    model.generation_config.eos_token_id = None
+
+
 @torch.no_grad()
 def _prefill(model, ids):
     model(input_ids=ids, use_cache=False, logits_to_keep=1)
@@ -159,7 +202,13 @@ def _decode(model, prompt, steps: int):
 @click.option("--rounds", type=int, default=7, show_default=True)
 @click.option("--slack", type=float, default=0.03, show_default=True)
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
-def time_command(original, converted, device, dtype, batch, prefill, decode, rounds, slack, json_path):
+@click.option("--compiled", is_flag=True, help="Also decode under transformers' compiled static cache.")
+@click.option("--compile-backend", default="inductor", show_default=True, help="torch.compile backend.")
+@click.option(
+    "--compile-mode", default="reduce-overhead", show_default=True, help='"" for the backend\'s default.'
+)
+def time_command(original, converted, device, dtype, batch, prefill, decode, rounds, slack, json_path,
+                 compiled, compile_backend, compile_mode):  # fmt: skip
     """Prefill and decode times of ORIGINAL vs CONVERTED (medians over alternating rounds)."""
     from transformers import AutoModelForCausalLM
 
@@ -177,33 +226,84 @@ def time_command(original, converted, device, dtype, batch, prefill, decode, rou
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, vocab, (batch, prefill), generator=gen, device="cpu").to(dev)
     prompt = torch.randint(0, vocab, (1, 128), generator=gen, device="cpu").to(dev)
-    times = {(name, part): [] for name in models for part in ("prefill", "decode")}
+    parts = ("prefill", "decode") + (("decode_compiled",) if compiled else ())
+    times = {(name, part): [] for name in models for part in parts}
     for model in models.values():  # warm-up: kernels chosen, caches allocated
         _prefill(model, ids)
         _decode(model, prompt, 2)
+    result = {"device": str(dev), "dtype": dtype, "batch": batch, "prefill_tokens": prefill,
+              "decode_steps": decode, "rounds": rounds, "slack": slack}  # fmt: skip
+    if compiled:
+        result["compile"] = _warm_compiled(models, prompt, decode, compile_backend, compile_mode, dev)
     for _ in range(rounds):
         for name, model in models.items():
             times[(name, "prefill")].append(_timed(lambda m=model: _prefill(m, ids), dev))
             times[(name, "decode")].append(_timed(lambda m=model: _decode(m, prompt, decode), dev) / decode)
-    result = {"device": str(dev), "dtype": dtype, "batch": batch, "prefill_tokens": prefill,
-              "decode_steps": decode, "rounds": rounds, "slack": slack}  # fmt: skip
+            if compiled:
+                with _no_recompile():
+                    short = _timed(lambda m=model: _compiled_generate(m, prompt, decode + 2, 2), dev)
+                    full = _timed(lambda m=model: _compiled_generate(m, prompt, decode + 2, decode + 2), dev)
+                times[(name, "decode_compiled")].append((full - short) / decode)
+    if compiled:
+        from torch._dynamo.utils import counters
+
+        result["compile"]["unique_graphs_after_timing"] = counters["stats"]["unique_graphs"]
     slower = []
-    for part, unit in (("prefill", "ms"), ("decode", "ms/token")):
+    labels = {
+        "prefill": f"prefill ({batch}x{prefill} tokens)",
+        "decode": "decode, eager (ms/token)",
+        "decode_compiled": f"decode, compiled static cache ({compile_backend} {compile_mode}) (ms/token)",
+    }
+    for part in parts:
         a = statistics.median(times[("original", part)])
         b = statistics.median(times[("converted", part)])
         result[part] = {"original_ms": a, "converted_ms": b, "ratio": b / a}
-        print(f"time: {part} ({batch}x{prefill} tokens)" if part == "prefill" else f"time: {part}", end="")
-        print(f": {a:.2f} -> {b:.2f} {unit} (converted / original {b / a:.3f})")
+        print(f"time: {labels[part]}: {a:.3f} -> {b:.3f} ms (converted / original {b / a:.3f})")
         if b > a * (1 + slack):
             slower.append(part)
     result["passed"] = not slower
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2) + "\n")
-    ratios = ", ".join(f"{part} {result[part]['ratio']:.3f}" for part in ("prefill", "decode"))
+    ratios = ", ".join(f"{part} {result[part]['ratio']:.3f}" for part in parts)
     if slower:
         print(f"time: converted / original {ratios}: slower by more than {slack:.0%} in {', '.join(slower)}")
         sys.exit(1)
     print(f"time: converted / original {ratios} (not slower, {slack:.0%} slack)")
+
+
+def _warm_compiled(models: dict, prompt, decode: int, backend: str, mode: str, dev) -> dict:
+    """Compile each model's decoding (two warm-up calls of each length: the first compiles, the second runs
+    the graphs once more) and count what dynamo made: graphs, graph breaks, compile seconds."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = {"backend": backend, "mode": mode or None, "fullgraph": True}
+    for name, model in models.items():
+        _setup_compiled(model, backend, mode or None, dev)
+        before = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        for stop in (2, decode + 2, 2, decode + 2):
+            _compiled_generate(model, prompt, decode + 2, stop)
+        _sync(dev)
+        out[name] = {"unique_graphs": counters["stats"]["unique_graphs"] - before,
+                     "warmup_s": time.perf_counter() - t0}  # fmt: skip
+    out["graph_breaks"] = sum(counters["graph_break"].values())
+    out["unique_graphs_after_warmup"] = counters["stats"]["unique_graphs"]
+    if out["graph_breaks"]:
+        raise RuntimeError(f"graph breaks under fullgraph: {dict(counters['graph_break'])}")
+    print(f"time: compiled decoding warmed up: {out}")
+    return out
+
+
+@contextlib.contextmanager
+def _no_recompile():
+    """Any recompile inside the block raises (a decoding that recompiles per call is a failure)."""
+    torch.compiler.set_stance("fail_on_recompile")
+    try:
+        yield
+    finally:
+        torch.compiler.set_stance("default")
 
 
 if __name__ == "__main__":

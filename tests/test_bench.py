@@ -139,6 +139,74 @@ def test_bench_decode_rows_and_agreement():
     assert bench.parse_shapes("16384x2048, 8X64") == ((16384, 2048), (8, 64))
 
 
+def test_bench_decode_graphs_dry_run_and_capture_failures(monkeypatch, tmp_path):
+    """Per call under a CUDA graph: on the CPU the same path without the graph (rows marked ``graph:
+    False``); a candidate that cannot be captured is reported with its reason, not dropped, and does not
+    stop the others; the rows reach the JSON and the markdown."""
+    from normswap.bench import decode
+
+    original = decode._candidates
+
+    def with_a_failure(x, backends):
+        cands = original(x, backends)
+
+        def sync():  # stands for a candidate that reads a value back to the host during capture
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+        cands["host read"] = (sync, None)
+        return cands
+
+    monkeypatch.setattr(decode, "_candidates", with_a_failure)
+    rows = decode.bench_decode_graphs(
+        [(1, 64), (4, 32)], ["float32"], ["eager"], rounds=2, device="cpu", calls=3
+    )
+    names = {r["name"] for r in rows}
+    assert {
+        "F.rms_norm",
+        "nn.LayerNorm",
+        "normswap FusedRMSNorm [auto]",
+        "normswap FusedRMSNorm [eager]",
+    } <= names
+    assert len(rows) == 2 * len(names)
+    for r in rows:
+        assert r["graph"] is False
+        if r["name"] == "host read":
+            assert r["per_call_us"] is None and r["ratio_to_torch"] is None
+            assert r["error"] == "RuntimeError: operation not permitted when stream is capturing"
+        else:
+            assert r["per_call_us"] > 0 and r["error"] is None
+        if r["name"] == "F.rms_norm":
+            assert r["ratio_to_torch"] == 1.0
+    table = decode.format_graph_table(rows)
+    assert table.startswith("| dry run (no graph), us per call |") and "not captured (RuntimeError" in table
+    with pytest.raises(ValueError, match="rounds and calls"):
+        decode.bench_decode_graphs([(1, 64)], ["float32"], rounds=0, device="cpu")
+    paths = bench.write_results([], tmp_path, bench.machine_info("cpu"), graph_rows=rows)
+    assert json.loads(paths[0].read_text())["decode_graphs"] == rows
+    assert "## decode sizes, per call replayed from a CUDA graph" in paths[1].read_text()
+
+
+def test_decode_targets_on_cuda_are_microseconds_above_torch():
+    """On CUDA a fused module's eager call may cost at most 3 us more than torch's call of the same
+    computation: F.rms_norm with the weight, without it for the identity weight, nn.LayerNorm."""
+    from normswap.bench.decode import decode_targets
+
+    def row(name, us):
+        return {"rows": 1, "hidden": 2048, "dtype": "bfloat16", "name": name, "per_call_us": us}
+
+    rows = [row("HF LlamaRMSNorm", 80.0), row("F.rms_norm", 10.0), row("F.rms_norm, no weight", 9.0)]
+    rows += [row("nn.LayerNorm", 12.0), row("normswap FusedRMSNorm [auto]", 12.5)]
+    rows += [row("normswap FusedRMSNorm weight 1 [auto]", 12.5), row("normswap FusedLayerNorm [auto]", 14.0)]
+    assert decode_targets(rows, "cuda") == [
+        "decode 1x2048 bfloat16 normswap FusedRMSNorm [auto]: 12.5 us per call, +2.5 us vs F.rms_norm "
+        "(target <= +3 us): met",
+        "decode 1x2048 bfloat16 normswap FusedRMSNorm weight 1 [auto]: 12.5 us per call, +3.5 us vs "
+        "F.rms_norm, no weight (target <= +3 us): missed",
+        "decode 1x2048 bfloat16 normswap FusedLayerNorm [auto]: 14.0 us per call, +2.0 us vs nn.LayerNorm "
+        "(target <= +3 us): met",
+    ]
+
+
 def test_bench_model_on_tiny_gguf(tiny_gguf):
     """Two copies each of the original and the converted tiny Llama: both phases timed, each copy's
     median reported, same greedy tokens after conversion."""
@@ -224,7 +292,19 @@ def test_check_targets_cpu_and_cuda():
         _row(4096, 576, "bfloat16", "normswap rms_norm llama [triton]", 9.0, 1.0),  # hidden < 2048
         _row(1024, 4096, "float16", "normswap rms_norm llama [triton]", 9.0, 1.0),  # too few rows
     ]
+    cuda.append(_row(8192, 4096, "float32", "F.rms_norm", 1.1, 1.0))
     lines = bench.check_targets(cuda, "cuda")
+    # Against torch's own call (every dtype): at most its time.
+    parity = [line for line in lines if "the time of" in line]
+    head = "[8192, 4096] bfloat16 normswap"
+    assert parity == [
+        f"{head} rms_norm llama [triton]: 0.77x the time of F.rms_norm (target <= 1x): met",
+        f"{head} rms_norm gemma [triton]: 1.07x the time of F.rms_norm (target <= 1x): missed",
+        f"{head} layer_norm [triton]: 1.05x the time of nn.LayerNorm (target <= 1x): missed",
+        "[8192, 4096] float32 normswap rms_norm llama [triton]: 1.09x the time of F.rms_norm (target <= 1x): "
+        "missed",
+    ]
+    lines = [line for line in lines if "the time of" not in line]
     assert len(lines) == 4
     assert "87% of copy bandwidth" in lines[0] and "1.30x the speed of F.rms_norm" in lines[0]
     assert "1.22x the speed of Liger RMSNorm" in lines[0] and lines[0].endswith(": met")
@@ -260,3 +340,28 @@ def test_cuda_timing_is_event_mean_of_back_to_back_calls(monkeypatch):
     assert seconds == pytest.approx(0.040 / bench.CUDA_CALLS)
     calls.clear()
     assert bench_kernels_mod._time_call(lambda: calls.append(1), torch.device("cpu")) >= 0 and len(calls) == 1
+
+
+def test_triton_sweep_dry_run_in_interpreter(tmp_path):
+    """``python -m normswap.bench.sweep`` (the GPU run's launch-configuration sweep) on the CPU in triton's
+    interpreter: every configuration of every op computes the default's output (0 ulps apart here), the
+    table and JSON are written; without a GPU or the interpreter it refuses in one line (exit 2)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "normswap.bench.sweep", "--device", "cpu", "--shapes", "300x64"]
+    args += ["--dtypes", "float32", "--rounds", "1", "--out", str(tmp_path), "--extended"]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "sweep.json").read_text())["results"]
+    assert {r["op"] for r in rows} == {"rms_norm llama", "rms_norm gemma", "layer_norm"}
+    assert {"default", "legacy", "persistent, early"} <= {r["label"] for r in rows}
+    for r in rows:
+        assert r["max_ulps_vs_default"] == 0.0 and r["median_s"] > 0 and r["host_s"] > 0, r
+    assert "| rms_norm llama 300x64 float32 |" in (tmp_path / "sweep.md").read_text()
+    env.pop("TRITON_INTERPRET")
+    proc = subprocess.run(args[:5] + ["--out", str(tmp_path / "x")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr

@@ -17,29 +17,58 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
 def _run(tmp_path: Path, parts: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DEVICE": "cpu", "SIZE": "tiny", "PARTS": parts}
+    env["ZOO_ONLY"] = "llama gemma3_text"
+    env["BUDGET_S"] = "3600"  # a loaded CI machine must not leave parts out for time
     return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
 def test_gpu_check_dry_run(tmp_path):
     """Generate a tiny Llama, convert it through the CLI (bf16, --device cpu), again with --device-map auto,
-    and time original vs converted: every part passes and leaves its summary line and report."""
-    proc = _run(tmp_path, "llama devmap time")
+    streamed under --max-memory, rotated and with the automatic streaming choice where this checkout has
+    those (else SKIP, said so), and time original vs converted (eager, and compiled static-cache decoding
+    with dynamo's eager backend): every part that runs passes and leaves its summary line and report."""
+    proc = _run(tmp_path, "llama devmap rotzoo rotate stream auto time")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
-    assert [line.split()[:2] for line in summary if line.startswith("PASS")] == [
-        ["PASS", "llama"], ["PASS", "devmap"], ["PASS", "time"],
-    ]  # fmt: skip
-    for name in ("llama", "devmap"):
+    verdicts = {line.split()[1]: line.split()[0] for line in summary}
+    assert [verdicts[p] for p in ("llama", "devmap", "stream", "time")] == ["PASS"] * 4, summary
+    for name in ("rotzoo", "rotate", "auto"):  # features other work adds; SKIP only when absent, said so
+        assert verdicts[name] in ("PASS", "SKIP"), summary
+        if verdicts[name] == "SKIP":
+            assert "SKIP: " in (tmp_path / "out" / f"{name}.log").read_text()
+    assert not any(v == "FAIL" for v in verdicts.values()), summary
+    for name in ("llama", "devmap", "stream"):
         report = json.loads((tmp_path / "out" / f"{name}.json").read_text())
         assert report["norms_found"] == report["norms_folded"] == 5 and report["check"]["passed"]
         assert report["dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "out" / "stream.json").read_text())["streamed"]
+    assert "peak device memory: n/a on the CPU" in (tmp_path / "out" / "stream.log").read_text()
     timings = json.loads((tmp_path / "out" / "timings.json").read_text())
     assert timings["prefill"]["original_ms"] > 0 and timings["decode"]["converted_ms"] > 0
+    compiled = timings["compile"]
+    assert compiled["graph_breaks"] == 0 and compiled["converted"]["unique_graphs"] >= 1
+    assert compiled["unique_graphs_after_timing"] == compiled["unique_graphs_after_warmup"]  # no recompile
+    assert timings["decode_compiled"]["converted_ms"] > 0
     assert not (tmp_path / "out" / "models").exists()  # the generated checkpoints are removed
+
+
+def test_gpu_check_time_budget(tmp_path):
+    """A part whose time limit no longer fits in BUDGET_S is not started: listed as skipped for the budget,
+    with the PARTS to run it by."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "DEVICE": "cpu", "SIZE": "tiny", "PARTS": "llama zoo"}
+    env["BUDGET_S"] = "100"  # llama's limit is 120 s
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "SKIP llama: time budget" in summary and "rerun with PARTS=llama" in summary
+    assert "SKIP zoo: time budget" in summary
+    assert proc.returncode == 1 and "FAIL devmap, time, rotate, stream, auto: no converted Llama" in summary
 
 
 def test_gpu_check_fails_when_a_part_fails(tmp_path):
     proc = _run(tmp_path, "time")  # no Llama generated: devmap and time cannot run
     assert proc.returncode == 1
-    assert "FAIL devmap, time: no converted Llama" in (tmp_path / "out" / "summary.txt").read_text()
+    assert (
+        "FAIL devmap, time, rotate, stream, auto: no converted Llama"
+        in (tmp_path / "out" / "summary.txt").read_text()
+    )

@@ -2,7 +2,10 @@
 
 * ``kernels.py``: the kernel grid, normswap's ops against HF eager modules, torch's norms, a same-size
   copy (the memory roofline) and two compiled floor kernels; CPU and CUDA timing.
-* ``decode.py``: per-call cost of whole modules at decode sizes (1-128 rows), side by side.
+* ``decode.py``: per-call cost of whole modules at decode sizes (1-128 rows), side by side, eager and (on
+  CUDA) replayed from a CUDA graph.
+* ``sweep.py``: launch configurations of the Triton kernel timed side by side (``python -m
+  normswap.bench.sweep``).
 * ``model.py``: prefill and cached decode of a model, original vs converted, several copies of each.
 * ``report.py``: machine info, tables, verdicts against the kernel targets, JSON and PNG.
 
@@ -17,7 +20,13 @@ from pathlib import Path
 
 import torch
 
-from normswap.bench.decode import bench_decode, decode_targets, format_decode_table
+from normswap.bench.decode import (
+    bench_decode,
+    bench_decode_graphs,
+    decode_targets,
+    format_decode_table,
+    format_graph_table,
+)
 from normswap.bench.kernels import (
     CUDA_CALLS,
     DTYPES,
@@ -50,12 +59,14 @@ __all__ = [
     "FLOOR_READ",
     "SHAPES",
     "bench_decode",
+    "bench_decode_graphs",
     "bench_kernels",
     "bench_model",
     "check_targets",
     "decode_targets",
     "default_backends",
     "format_decode_table",
+    "format_graph_table",
     "format_model_table",
     "format_table",
     "machine_info",
@@ -100,8 +111,9 @@ def run(
 ) -> tuple[list[dict], list[dict], list[Path]]:
     """The whole benchmark, as ``benchmarks/bench_norms.py`` and ``normswap bench`` run it.
 
-    Times the kernel grid (``bench_kernels``) and the per-call cost at decode sizes (``bench_decode``)
-    unless ``kernels`` / ``decode`` is False and, with ``model``, the model level (``bench_model``); logs
+    Times the kernel grid (``bench_kernels``) and the per-call cost at decode sizes (``bench_decode``; on
+    CUDA also under a CUDA graph, ``bench_decode_graphs``) unless ``kernels`` / ``decode`` is False and, with
+    ``model``, the model level (``bench_model``); logs
     progress and the markdown tables through ``log``; writes the results
     into ``out_dir`` (``write_results``).
 
@@ -136,7 +148,7 @@ def run(
     if threads is not None:
         torch.set_num_threads(threads)
     heap = reuse_heap() if heap_reuse else False
-    rows, model_rows, decode_rows = [], [], []
+    rows, model_rows, decode_rows, graph_rows = [], [], [], []
     if kernels:
         rows = bench_kernels(shapes, dtypes, backends, rounds, device, log=log)
         log(format_table(rows))
@@ -152,6 +164,11 @@ def run(
         log(format_decode_table(decode_rows))
         for line in decode_targets(decode_rows, device):
             log(f"target {line}")
+        if torch.device(device).type == "cuda":
+            graph_rows = bench_decode_graphs(
+                dtypes=dtypes, backends=backends or default_backends(torch.device(device)), device=device
+            )
+            log(format_graph_table(graph_rows))
     if model:
         model_rows = bench_model(model, rounds=model_rounds, copies=model_copies, log=log)
         log(format_model_table(model_rows))
@@ -162,7 +179,7 @@ def run(
         "model_rounds": model_rounds if model else None,
         "model_copies": model_copies if model else None,
     }
-    paths = write_results(rows, out_dir, info, model_rows, decode_rows)
+    paths = write_results(rows, out_dir, info, model_rows, decode_rows, graph_rows)
     for path in paths:
         log(f"wrote {path}")
     return rows, model_rows, paths

@@ -157,18 +157,20 @@ def bench_decode(
     return out
 
 
-# Targets of issue 13 at decode sizes: on the CPU the fused modules cost no more per call than the HF
-# module they replace (3% allowed for timing noise: a module that makes the very same call as the HF one,
-# as FusedLayerNorm does, measures 0.98-1.02x of it); on CUDA at most 1.25x of torch's own kernel per call,
-# through the whole module.
+# Targets at decode sizes: on the CPU the fused modules cost no more per call than the HF module they
+# replace (3% allowed for timing noise: a module that makes the very same call as the HF one, as
+# FusedLayerNorm does, measures 0.98-1.02x of it); on CUDA each module's own cost, eager, at most
+# CUDA_DECODE_OVERHEAD_US above torch's call of the same computation (F.rms_norm with the weight, without it
+# for an identity weight, which the module drops; nn.LayerNorm).
 CPU_DECODE_RATIO = 1.03
-CUDA_DECODE_RATIO = 1.25
+CUDA_DECODE_OVERHEAD_US = 3.0
+TORCH_RMS_NO_WEIGHT = "F.rms_norm, no weight"
 
 
 def decode_targets(rows: list[dict], device: str) -> list[str]:
     """One verdict line per decode configuration and fused module (``auto`` backend)."""
     cuda = device.startswith("cuda")
-    pairs = ((FUSED_RMS, HF_RMS, TORCH_RMS), (FUSED_ONE, HF_RMS, TORCH_RMS), (FUSED_LN, LN, LN))
+    pairs = ((FUSED_RMS, HF_RMS, TORCH_RMS), (FUSED_ONE, HF_RMS, TORCH_RMS_NO_WEIGHT), (FUSED_LN, LN, LN))
     cell = {(r["rows"], r["hidden"], r["dtype"], r["name"]): r for r in rows}
     lines = []
     for rws, hidden, dtype in dict.fromkeys((r["rows"], r["hidden"], r["dtype"]) for r in rows):
@@ -177,13 +179,162 @@ def decode_targets(rows: list[dict], device: str) -> list[str]:
             base = cell.get((rws, hidden, dtype, torch_ref if cuda else hf))
             if mine is None or base is None:
                 continue
+            head = f"decode {rws}x{hidden} {dtype} {name}: {mine['per_call_us']:.1f} us per call"
+            if cuda:
+                extra = mine["per_call_us"] - base["per_call_us"]
+                ok = extra <= CUDA_DECODE_OVERHEAD_US
+                lines.append(
+                    f"{head}, {extra:+.1f} us vs {base['name']} (target <= +{CUDA_DECODE_OVERHEAD_US:g} us): "
+                    f"{'met' if ok else 'missed'}"
+                )
+                continue
             ratio = mine["per_call_us"] / base["per_call_us"]
-            bound = CUDA_DECODE_RATIO if cuda else CPU_DECODE_RATIO
             lines.append(
-                f"decode {rws}x{hidden} {dtype} {name}: {mine['per_call_us']:.1f} us per call, {ratio:.2f}x "
-                f"{base['name']} (target <= {bound}x): {'met' if ratio <= bound else 'missed'}"
+                f"{head}, {ratio:.2f}x {base['name']} (target <= {CPU_DECODE_RATIO}x): "
+                f"{'met' if ratio <= CPU_DECODE_RATIO else 'missed'}"
             )
     return lines
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Under a CUDA graph: what a norm costs where decode runs in production (transformers' compiled static
+# cache, vLLM): launches replayed by the GPU, no Python per call.
+
+GRAPH_CALLS = 100
+
+
+def bench_decode_graphs(
+    shapes=None,
+    dtypes=("bfloat16", "float32"),
+    backends: list[str] | None = None,
+    rounds: int = 20,
+    device: str = "cuda",
+    calls: int = GRAPH_CALLS,
+) -> list[dict]:
+    """Per-call time of each decode candidate (the same as ``bench_decode``'s) captured ``calls`` times in
+    one CUDA graph and replayed: the replay's CUDA-event time over ``calls``, median over ``rounds``
+    replays, candidates in a rotating order.
+
+    On the CPU there is no graph: the same code runs the ``calls`` calls directly (a dry run of the path,
+    rows marked ``graph: False``; the times are eager CPU times, not a graph's).
+
+    Returns:
+        One dict per (shape, dtype, candidate): ``rows, hidden, dtype, name, graph, per_call_us`` (None
+        when the candidate could not be captured), ``ratio_to_torch`` (to ``F.rms_norm`` replayed the same
+        way), ``error`` (why capture failed, else None).
+
+    Raises:
+        ValueError: ``rounds`` or ``calls`` below 1; a cuda ``device`` this torch cannot see.
+    """
+    if rounds < 1 or calls < 1:
+        raise ValueError(f"rounds and calls must be >= 1, got {rounds} and {calls}")
+    dev = torch.device(device)
+    graph = dev.type == "cuda"
+    if graph and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch sees no CUDA device")
+    if shapes is None:
+        shapes = CUDA_SHAPES if graph else CPU_SHAPES
+    backends = [be for be in (backends or []) if be != "compiled"]
+    out = []
+    for rows, hidden in shapes:
+        for dname in dtypes:
+            dt = getattr(torch, dname)
+            gen = torch.Generator(device="cpu").manual_seed(1)
+            x = (torch.randn(1, rows, hidden, generator=gen) * 3).to(dev, dt)
+            cands = _candidates(x, backends)
+            replay: dict[str, Callable] = {}
+            errors: dict[str, str] = {}
+            with torch.no_grad():
+                for name, (fn, _) in cands.items():
+                    try:
+                        replay[name] = _capture(fn, calls, dev) if graph else _direct(fn, calls)
+                    except Exception as error:  # a candidate that cannot be captured (a sync, a host read)
+                        errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                times: dict[str, list[float]] = {n: [] for n in replay}
+                names = list(replay)
+                for r in range(rounds):
+                    k = r % len(names)
+                    for name in names[k:] + names[:k]:
+                        times[name].append(replay[name]() / calls)
+            med = {n: statistics.median(v) for n, v in times.items()}
+            torch_med = med.get(TORCH_RMS)
+            for name in cands:
+                m = med.get(name)
+                out.append(
+                    {
+                        "rows": rows,
+                        "hidden": hidden,
+                        "dtype": dname,
+                        "name": name,
+                        "graph": graph,
+                        "per_call_us": None if m is None else m * 1e6,
+                        "ratio_to_torch": None if m is None or not torch_med else m / torch_med,
+                        "error": errors.get(name),
+                    }
+                )
+            del replay
+            if graph:
+                torch.cuda.synchronize(dev)
+    return out
+
+
+def _capture(fn: Callable, calls: int, dev: torch.device) -> Callable[[], float]:
+    """Capture ``calls`` calls of ``fn`` in a CUDA graph (after warm-up calls on a side stream, as
+    ``torch.cuda.graphs`` requires: kernels compiled, caches filled); return a function that replays it
+    once and gives the seconds it took (CUDA events)."""
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    torch.cuda.synchronize(dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()  # the first replay uploads the graph
+    torch.cuda.synchronize(dev)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def run() -> float:
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    return run  # holds the graph (and its memory pool) as long as it lives
+
+
+def _direct(fn: Callable, calls: int) -> Callable[[], float]:
+    """The CPU dry run of ``_capture``: warm-up calls, then a function timing ``calls`` direct calls."""
+    for _ in range(3):
+        fn()
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return time.perf_counter() - t0
+
+    return run
+
+
+def format_graph_table(rows: list[dict]) -> str:
+    """Markdown table of ``bench_decode_graphs`` rows: ``us per call (ratio to F.rms_norm)``, or the reason a
+    candidate could not be captured."""
+    from normswap.bench.report import pivot_table
+
+    def cell(r):
+        if r["per_call_us"] is None:
+            return f"not captured ({r['error'][:60]})"
+        ratio = "" if r["ratio_to_torch"] is None else f" ({r['ratio_to_torch']:.2f}x)"
+        return f"{r['per_call_us']:.2f}{ratio}"
+
+    graph = all(r["graph"] for r in rows)
+    corner = "per call under a CUDA graph, us (/ F.rms_norm)" if graph else "dry run (no graph), us per call"
+    return pivot_table(rows, "rows", corner, cell)
 
 
 def format_decode_table(rows: list[dict]) -> str:

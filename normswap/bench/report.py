@@ -74,6 +74,14 @@ CPU_TARGET_RATIO = 1.3
 CUDA_TARGET_FRACTION = 0.85
 CUDA_FP32_RATIO = 1.25
 _CUDA_MIN_ELEMENTS = 16384 * 2048
+# On CUDA every op is also held to torch's own call of the same computation, in every dtype: at most its time.
+_TORCH_PARITY = {
+    "normswap rms_norm llama": "F.rms_norm",
+    "normswap rms_norm gemma": "F.rms_norm",
+    "normswap layer_norm": "nn.LayerNorm",
+    "normswap FusedRMSNorm weight 1": "F.rms_norm, no weight",
+}
+CUDA_TORCH_PARITY = 1.0
 # The anchors each op must beat on CUDA: torch's kernel and Liger's for the same computation.
 _ANCHORS = {
     "normswap rms_norm llama": ("F.rms_norm", "Liger RMSNorm"),
@@ -89,7 +97,8 @@ def check_targets(rows: list[dict], device: str) -> list[str]:
 
     ``rows`` are ``bench_kernels`` rows measured on ``device``. A user can force any backend, so an op meets
     a target when one of its backends does; the line names that backend. Configurations no target covers
-    are skipped (an empty list when none is covered).
+    are skipped (an empty list when none is covered). On CUDA each covered op also gets a line against
+    torch's own call of the same computation (``_TORCH_PARITY``), in every dtype: at most its time.
     """
     best: dict[tuple, dict] = {}
     for r in rows:
@@ -109,6 +118,13 @@ def check_targets(rows: list[dict], device: str) -> list[str]:
             continue
         if hidden < 2048 or tokens * hidden < _CUDA_MIN_ELEMENTS:
             continue
+        parity = cell.get((tokens, hidden, dtype, _TORCH_PARITY.get(op, "")))
+        if parity is not None:
+            ratio = r["median_s"] / parity["median_s"]
+            lines.append(
+                f"{where}: {ratio:.2f}x the time of {parity['name']} (target <= {CUDA_TORCH_PARITY:g}x): "
+                f"{_met(ratio <= CUDA_TORCH_PARITY)}"
+            )
         if dtype == "float32":
             ok = r["ratio_to_copy"] <= CUDA_FP32_RATIO
             lines.append(
@@ -187,10 +203,11 @@ def write_results(
     info: dict | None = None,
     model_rows: list[dict] | None = None,
     decode_rows: list[dict] | None = None,
+    graph_rows: list[dict] | None = None,
 ) -> list[Path]:
     """Write ``norm_kernels.json`` (kernel rows, machine info, the ``check_targets`` and ``decode_targets``
-    lines for ``info["device"]``, model rows and decode rows if any) and, when matplotlib is installed,
-    ``norm_kernels.png`` into ``out_dir`` (created if missing).
+    lines for ``info["device"]``, model rows, decode rows and decode rows under a CUDA graph if any) and,
+    when matplotlib is installed, ``norm_kernels.png`` into ``out_dir`` (created if missing).
 
     Returns the paths written.
     """
@@ -208,13 +225,16 @@ def write_results(
         "targets": targets,
         "model": model_rows or [],
         "decode": decode_rows or [],
+        "decode_graphs": graph_rows or [],
     }
     write_json(path, doc)
-    from normswap.bench.decode import format_decode_table
+    from normswap.bench.decode import format_decode_table, format_graph_table
 
     parts = ["# norm kernels: time / copy (GB/s)", format_table(rows), "## summary", format_summary(rows)]
     if decode_rows:
         parts += ["## decode sizes, per call through the module", format_decode_table(decode_rows)]
+    if graph_rows:
+        parts += ["## decode sizes, per call replayed from a CUDA graph", format_graph_table(graph_rows)]
     parts += ["## targets", "\n".join(f"- {line}" for line in targets)]
     md = out / "norm_kernels.md"
     write_text(md, "\n\n".join(parts) + "\n")

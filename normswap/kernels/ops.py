@@ -141,8 +141,10 @@ def _kernels(name: str):
 
 
 def _rms_impl(x, weight, eps, offset, cast_order, backend):
+    name = _pick("rms", backend, x, weight)
+    if name == "triton":  # adds the offset in the kernel (no separate launches for prepare_params)
+        return _kernels(name).rms_norm(x, weight, eps, cast_order, offset)
     w, _ = ref.prepare_params(weight, None, offset, cast_order)
-    name = _pick("rms", backend, x, w)
     if name == "eager":
         return ref.rms_norm_math(x, w, eps, cast_order)
     if name == "torch":
@@ -151,8 +153,10 @@ def _rms_impl(x, weight, eps, offset, cast_order, backend):
 
 
 def _layer_impl(x, weight, bias, eps, offset, cast_order, backend):
+    name = _pick("layer", backend, x, weight, bias)
+    if name == "triton":
+        return _kernels(name).layer_norm(x, weight, bias, eps, cast_order, offset)
     w, b = ref.prepare_params(weight, bias, offset, cast_order)
-    name = _pick("layer", backend, x, w, b)
     if name == "eager":
         return ref.layer_norm_math(x, w, b, eps, cast_order)
     if name == "torch":
@@ -161,9 +165,11 @@ def _layer_impl(x, weight, bias, eps, offset, cast_order, backend):
 
 
 def _add_rms_impl(x, residual, weight, eps, offset, cast_order, backend):
+    name = _pick("rms", backend, x, weight, residual)
+    if name == "triton":
+        return _kernels(name).add_rms_norm(x, residual, weight, eps, cast_order, offset)
     w, _ = ref.prepare_params(weight, None, offset, cast_order)
-    name = _pick("rms", backend, x, w, residual)
-    if name in ("compiled", "triton"):
+    if name == "compiled":
         return _kernels(name).add_rms_norm(x, residual, w, eps, cast_order)
     h = x + residual
     if name == "torch":
