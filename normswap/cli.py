@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -159,6 +158,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     from normswap.check import compare, reference_outputs
     from normswap.convert import convert as convert_model
     from normswap.convert import no_norms_message
+    from normswap.io import carry
     from normswap.walk import short_inputs, walk
 
     _quiet_transformers()
@@ -183,11 +183,15 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         device_map=device_map,
     )
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
+    inputs = carry.gather(loaded.info, loaded.model)  # tensors the class does not run, model card, shards
+    if norm != "keep":
+        carry.refuse_changed_stream(model, inputs.skipped, f"--norm {norm}")
     input_ids, check_input = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens)
     _step("finding the norms and their consumers ...")
     traced = walk(loaded.model, short_inputs(input_ids))  # the dataflow does not depend on the length
     if not traced.sites:
         raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
+    inputs.kept = carry.keep_final_norms(loaded.model, traced.sites, inputs.skipped)
     _step(f"running the original on {input_ids.shape[-1]} tokens ...")
     reference = reference_outputs(loaded.model, input_ids, sites=traced.sites)
     _step("converting ...")
@@ -197,32 +201,24 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)
     report_dict["check_input"] = check_input
+    if inputs.skipped or inputs.docs or inputs.large:
+        report_dict["carried"] = inputs.to_dict()
     passed = bool(checked.passed)
     saved = passed or force
-    try:
-        if saved:
-            _step(f"saving to {output} ...")
-            expected = io.record_expected(loaded.model, input_ids)
-            io.save_converted(
-                loaded.model, loaded.tokenizer, report_dict, output, overwrite=overwrite, input_path=model
-            )
-    except NormswapError:
-        if report is not None:  # the report still tells what was converted, where it can be written
-            report_dict["saved"] = False
-            with contextlib.suppress(NormswapError):
-                io.write_json(report, report_dict)
-        raise
     if saved:
         del traced, reference
-        loaded.model = None  # the fresh load below then needs one model's memory, not two
-        _step(f"verifying {output} by a fresh load ...")
-        verified = io.verify_saved(output, expected, trust_remote_code=trust_remote_code)
-        report_dict["verify"] = verified.to_dict()
-        if not verified.passed and not force:
-            shutil.rmtree(output, ignore_errors=True)
-            saved = False
-        else:
-            io.write_json(Path(output) / io.MANIFEST, report_dict | {"saved": True})
+        try:  # written and verified beside OUT; OUT is replaced only then (io.staging)
+            verified = io.save_and_verify(
+                loaded, report_dict, output, input_ids, overwrite=overwrite, force=force, inputs=inputs,
+                input_path=model, trust_remote_code=trust_remote_code, step=_step,
+            )  # fmt: skip
+        except NormswapError:
+            if report is not None:  # the report still tells what was converted, where it can be written
+                report_dict["saved"] = False
+                with contextlib.suppress(NormswapError):
+                    io.write_json(report, report_dict)
+            raise
+        saved = verified.passed or force
     report_dict["saved"] = saved
     if report is not None:
         io.write_json(report, report_dict)

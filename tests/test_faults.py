@@ -348,7 +348,7 @@ def test_signal_during_save(tmp_path, sig):
         left = hidden(tmp_path)
         assert ".out.lock" in left and any(n.endswith(".partial") for n in left), left
         save_converted(model, None, {"run": "next"}, out, overwrite=True)
-        assert hidden(tmp_path) == [] and strict_json(out / "normswap.json") == {"run": "next"}
+        assert hidden(tmp_path) == [] and strict_json(out / "normswap.json")["run"] == "next"
 
 
 # -- C23: concurrent saves ---------------------------------------------------------------------------------

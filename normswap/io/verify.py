@@ -51,6 +51,9 @@ class Expected:
         note: how the saved model relates to the one in memory (``None``: it is the same model).
         device_map: where the model's weights were (``normswap.device.placement``; ``None``: the CPU); the
             fresh load goes to the same place, so it runs the same kernels.
+        carried: tensors written beside the model's (checkpoint tensors the model class does not run,
+            ``normswap.io.carry``) -> their fingerprint as written; the fresh load does not hold them, so
+            they are read back from the safetensors files.
     """
 
     architecture: str
@@ -61,6 +64,7 @@ class Expected:
     outputs: torch.Tensor
     note: str | None = None
     device_map: dict[str, str | int] | None = None
+    carried: dict[str, tuple[str, tuple[int, ...], str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -210,6 +214,26 @@ def _compare_tensors(expected: Expected, fresh: torch.nn.Module, saved: dict[str
     return failures
 
 
+def _compare_carried(expected: Expected, path: Path) -> list[str]:
+    """The carried tensors, read back one at a time from the safetensors files, against their fingerprints."""
+    if not expected.carried:
+        return []
+    from normswap.stream.shards import CheckpointReader
+
+    reader = CheckpointReader(path)
+    failures = []
+    lost = sorted(expected.carried.keys() - reader.tensors.keys())
+    if lost:
+        failures.append(f"carried tensors missing from the saved files: {_names(lost)}")
+    for name in sorted(expected.carried.keys() & reader.tensors.keys()):
+        tensor = reader.read(name)
+        got = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), _digest(tensor))
+        if got != tuple(expected.carried[name]):
+            failures.append(f"{name} is saved with other values than were carried over")
+        del tensor
+    return failures
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return float("inf")
@@ -264,6 +288,7 @@ def verify_saved(
     if type(fresh).__name__ != expected.architecture:
         failures.append(f"reloads as {type(fresh).__name__}, was {expected.architecture}")
     failures += _compare_tensors(expected, fresh, _saved_dtypes(Path(resolved.path)))
+    failures += _compare_carried(expected, Path(resolved.path))
     exact_dtype = expected.dtype in ("float32", "float64")
     plain_tol = default_tolerance(expected.dtype)["max_abs"] if exact_dtype else float("inf")
     kind, plain_diff, fused_diff = expected.output, float("inf"), float("inf")
@@ -284,7 +309,7 @@ def verify_saved(
         path=str(resolved.path),
         architecture=type(fresh).__name__,
         expected_architecture=expected.architecture,
-        tensors=len(expected.tensors),
+        tensors=len(expected.tensors) + len(expected.carried),
         tokens=expected.input_ids.numel(),
         output=kind,
         max_abs_diff=fused_diff,
