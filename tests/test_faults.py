@@ -452,3 +452,257 @@ def test_float64_fused_norms_match_hf_and_torch_bit_for_bit():
         assert site.compute_dtype == compute
         with torch.no_grad():
             assert torch.equal(fused_module(site, module)(x), module(x))
+
+
+# -- C26-C30: nothing of the user's is lost ---------------------------------------------------------------
+# A tiny Llama with a byte-level tokenizer (257 ids) and a vocabulary of 260: quick to convert on 16 tokens.
+SMALL_VOCAB = 260
+FEW = ("--tokens", "16")
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``folder`` (subfolders included)."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def byte_tokenizer(folder: Path) -> Path:
+    """A byte-level tokenizer of 257 ids (256 bytes and ``<|endoftext|>``), saved into ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(folder)
+    return folder
+
+
+def small_model(folder: Path, *, seed: int = 0, vocab: int = SMALL_VOCAB, shard: str | None = None) -> Path:
+    model = make_tiny_model("llama", vocab_size=vocab, tie_word_embeddings=False, seed=seed)
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    return byte_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    return small_model(tmp_path_factory.mktemp("small") / "model", shard="40KB")
+
+
+@pytest.fixture(scope="module")
+def small_other(tmp_path_factory) -> Path:
+    """The same shape with other weights: the previous checkpoint an --overwrite replaces."""
+    return small_model(tmp_path_factory.mktemp("small-other") / "model", seed=1, shard="40KB")
+
+
+STREAMED = ("--max-memory", "64KB")
+
+
+@pytest.fixture(autouse=True)
+def _no_collect(monkeypatch):
+    """The streamed path collects garbage after every tensor (``release_memory``): 0.7 s each in a test
+    process holding every earlier test's objects. It frees memory and changes no byte; skipped here."""
+    import normswap.stream.convert as stream_convert
+
+    monkeypatch.setattr(stream_convert, "release_memory", lambda: None)
+
+
+@pytest.fixture(scope="module")
+def previous(small_other, tmp_path_factory) -> dict[tuple, Path]:
+    """A complete earlier output of normswap of ``small_other``, in memory and streamed (copied per test)."""
+    import normswap.stream.convert as stream_convert
+
+    folders = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stream_convert, "release_memory", lambda: None)  # as _no_collect
+        for streamed in ((), STREAMED):
+            out = tmp_path_factory.mktemp("previous") / "out"
+            result = run("convert", small_other, "--output", out, *FEW, *streamed)
+            assert result.exit_code == 0, result.output
+            folders[streamed] = out
+    return folders
+
+
+def previous_output(previous: dict, out: Path, streamed=()) -> dict[str, str]:
+    """Copy the earlier output into ``out`` (bytes and sizes kept: still normswap's); its files' digests."""
+    shutil.copytree(previous[tuple(streamed)], out)
+    return digests(out)
+
+
+@pytest.mark.parametrize("where", ["dot", "absolute"])
+def test_c26_overwrite_never_replaces_a_folder_normswap_did_not_write(small, tmp_path, monkeypatch, where):
+    """C26: `--output . --overwrite` from a project folder deleted the project (and then exited 2, "not a
+    model directory"); with its absolute path it exited 0. Now exit 2, one line naming it and what is in it,
+    the folder byte-identical, nothing hidden left beside it."""
+    proj = tmp_path / "proj"
+    (proj / "src").mkdir(parents=True)
+    (proj / "notes.txt").write_text("my notes\n")
+    (proj / "src" / "train.py").write_text("print('train')\n")
+    before, src_before = tree(proj), tree(small)
+    if where == "dot":
+        monkeypatch.chdir(proj)
+    output = "." if where == "dot" else proj
+    result = run("convert", small, "--output", output, "--overwrite", *FEW)
+    assert_one_line(result, 2, f"output directory {proj} is not a normswap output", "notes.txt, src/",
+                    "--overwrite replaces only a directory that normswap wrote or an empty one")  # fmt: skip
+    assert tree(proj) == before and tree(small) == src_before
+    assert hidden(tmp_path) == [] and hidden(proj) == []
+
+
+def test_c26_overwrite_replaces_an_empty_folder_or_an_earlier_output_only(small, previous, tmp_path):
+    """The same kind: an empty folder and an earlier output are replaced; an earlier output to which a file
+    was added, or whose file changed size, is refused in one line naming the file, and left as it is."""
+    (tmp_path / "empty").mkdir()
+    assert run("convert", small, "--output", tmp_path / "empty", "--overwrite", *FEW).exit_code == 0
+    out = tmp_path / "out"
+    previous_output(previous, out)
+    assert run("convert", small, "--output", out, "--overwrite", *FEW).exit_code == 0
+    (out / "my-notes.md").write_text("mine\n")
+    before = digests(out)
+    assert_one_line(run("convert", small, "--output", out, "--overwrite", *FEW), 2,
+                    "holds what normswap did not write: my-notes.md")  # fmt: skip
+    assert digests(out) == before
+    (out / "my-notes.md").unlink()
+    with open(out / "config.json", "a") as f:
+        f.write("\n")
+    assert_one_line(run("convert", small, "--output", out, "--overwrite", *FEW), 2,
+                    "holds files changed since normswap wrote them: config.json")  # fmt: skip
+    assert hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
+def test_c27_failed_verification_keeps_the_previous_output(small, previous, tmp_path, monkeypatch, streamed):
+    """C27: a failed fresh-load verification exited 1 "nothing saved" with the previous output already
+    deleted. Now the new output is verified beside OUT and replaces it only when it passed: exit 1, OUT
+    byte-identical to the previous checkpoint, the report says why."""
+    import normswap.io.verify as io_verify
+    import normswap.stream.convert as stream_convert
+
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    before = previous_output(previous, out, streamed)
+    target, name = (stream_convert, "verify_streamed") if streamed else (io_verify, "verify_saved")
+    real = getattr(target, name)
+
+    def failing(*args, **kwargs):
+        result = real(*args, **kwargs)
+        assert result.passed  # the real result, marked failed
+        result.passed, result.failures = False, ["injected failure"]
+        return result
+
+    monkeypatch.setattr(target, name, failing)
+    result = run("convert", small, "--output", out, "--overwrite", "--report", report, *FEW, *streamed)
+    assert result.exit_code == 1, result.output
+    assert "verification of the saved checkpoint FAILED; nothing saved" in result.stderr
+    assert digests(out) == before and hidden(tmp_path) == []
+    data = strict_json(report)
+    assert data["saved"] is False and data["verify"]["failures"] == ["injected failure"]
+    assert data["verify"]["path"] == str(out)
+
+
+@pytest.mark.parametrize(
+    "streamed, stage, error",
+    [
+        ((), "written", KeyboardInterrupt),
+        (STREAMED, "finished", KeyboardInterrupt),
+        ((), "weights", "full"),
+        (STREAMED, "shard", "full"),
+    ],  # fmt: skip
+)
+def test_interrupt_or_full_disk_at_a_stage_keeps_the_previous_output(small, previous, tmp_path, monkeypatch,
+                                                                     streamed, stage, error):  # fmt: skip
+    """Ctrl-C after the new output is written or its manifest finished, a full disk while the weights are
+    written: exit 130 or 2 (one line), OUT byte-identical to the previous checkpoint, nothing hidden left."""
+    from normswap.io import staging
+
+    out = tmp_path / "out"
+    before = previous_output(previous, out, streamed)
+
+    def stop(name):
+        if name == stage:
+            raise KeyboardInterrupt if error is KeyboardInterrupt else OSError(28, "No space left on device")
+
+    monkeypatch.setattr(staging, "at_stage", stop)
+    result = run("convert", small, "--output", out, "--overwrite", *FEW, *streamed)
+    if error is KeyboardInterrupt:
+        assert result.exit_code == 130, result.output
+    else:
+        assert_one_line(result, 2, f"cannot write {out}: no space left on device")
+    assert digests(out) == before and hidden(tmp_path) == []
+
+
+# Killing a run at every stage of an --overwrite convert. The run is a forked copy of this process (torch is
+# imported once), limited to one thread (no OpenMP pool is used after the fork), that SIGKILLs itself when
+# the save reaches the stage (``normswap.io.staging.at_stage``, a hook that does nothing otherwise).
+MEMORY_STAGES = ["staged", "weights", "written", "verified", "finished", "exchanged", "removed"]
+STREAMED_STAGES = ["staged", "shard", "written", "verified", "finished", "exchanged", "removed"]
+
+
+def _killed_run(args, stage: str, no_exchange: bool) -> None:
+    from normswap.io import staging
+
+    torch.set_num_threads(1)
+
+    def die(name):
+        if name == stage:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    staging.at_stage = die
+    if no_exchange:
+        staging._exchange = lambda a, b: False
+    result = CliRunner().invoke(main, args)
+    os._exit(10 + result.exit_code)  # reached only when the stage never came
+
+
+def _kill_at(args, stage: str, no_exchange: bool = False) -> None:
+    proc = FORK.Process(target=_killed_run, args=(args, stage, no_exchange))
+    proc.start()
+    proc.join(300)
+    assert proc.exitcode == -signal.SIGKILL, (stage, proc.exitcode)
+
+
+def _same_new_output(out: Path, reference: Path) -> bool:
+    """``out`` is the verified new checkpoint: every file as in a complete run, its manifest says verified."""
+    have, want = digests(out), digests(reference)
+    have.pop("normswap.json"), want.pop("normswap.json")
+    manifest, expected = strict_json(out / "normswap.json"), strict_json(reference / "normswap.json")
+    return have == want and manifest["verify"]["passed"] and manifest["sites"] == expected["sites"]
+
+
+@pytest.mark.parametrize(
+    "streamed, stages",
+    [((), MEMORY_STAGES), (STREAMED, STREAMED_STAGES), ((), ["finished", "aside"])],
+    ids=["memory", "streamed", "no-exchange"],
+)
+def test_killed_at_every_stage_leaves_one_complete_checkpoint(small, previous, tmp_path, streamed, stages):
+    """SIGKILL at each stage of `convert --overwrite`: OUT is byte for byte the previous checkpoint (up to the
+    exchange) or the verified new one (after it), and stays so when the next save to OUT clears what the
+    killed run left (or, where paths cannot be exchanged in one step, renames the previous checkpoint
+    back). The third row exchanges by two renames (as off Linux) and is killed between them."""
+    from normswap.io.staging import Staging
+
+    reference = tmp_path / "reference"
+    assert run("convert", small, "--output", reference, *FEW, *streamed).exit_code == 0
+    out = tmp_path / "out"
+    args = ["convert", str(small), "--output", str(out), "--overwrite", *FEW, *streamed]
+    for stage in stages:
+        shutil.rmtree(out, ignore_errors=True)
+        before = previous_output(previous, out, streamed)
+        _kill_at(args, stage, no_exchange="aside" in stages)
+        if stage == "aside":  # killed between the two renames: OUT is missing until the next save
+            assert not out.exists() and any(n.endswith(".old") for n in hidden(tmp_path)), stage
+        elif stage in ("exchanged", "removed"):
+            assert _same_new_output(out, reference), stage
+        else:
+            assert digests(out) == before, stage
+        with Staging(out, overwrite=True):  # what the next save does first, under the lock
+            pass
+        assert hidden(tmp_path) == [], stage
+        new = stage in ("exchanged", "removed")
+        assert _same_new_output(out, reference) if new else digests(out) == before, stage
+    result = run(*args)
+    assert result.exit_code == 0 and _same_new_output(out, reference) and hidden(tmp_path) == []

@@ -44,9 +44,10 @@ WRITER = "normswap"
 
 # Where a save can be stopped, in order: the lock is held and the empty hidden folder made ("staged"); the
 # weights written ("weights", in memory) or one shard written ("shard", streamed); every file written
-# ("written"); the new checkpoint verified ("verified"); the final manifest written ("finished"); the
-# folders exchanged ("exchanged"); the previous checkpoint removed, the lock not yet released ("removed").
-STAGES = ("staged", "weights", "shard", "written", "verified", "finished", "exchanged", "removed")
+# ("written"); the new checkpoint verified ("verified"); the final manifest written ("finished"); where
+# paths cannot be exchanged in one step, the previous checkpoint renamed aside ("aside"); the new one in
+# place ("exchanged"); the previous checkpoint removed, the lock not yet released ("removed").
+STAGES = ("staged", "weights", "shard", "written", "verified", "finished", "aside", "exchanged", "removed")
 
 
 def at_stage(name: str) -> None:
@@ -167,6 +168,7 @@ def _replace_dir(built: Path, out: Path) -> None:
         return
     old = _old_path(built)
     os.rename(out, old)
+    at_stage("aside")
     try:
         os.rename(built, out)
     except BaseException:
