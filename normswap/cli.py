@@ -400,6 +400,19 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
             lines.append(f"          - {failure}")
         if check.get("divergence"):
             lines.append(f"          first divergence: {check['divergence'].get('description')}")
+    carried = report.get("carried") or {}
+    if carried.get("tensors"):
+        names = carried["tensors"]
+        kept = carried.get("norms_kept_unfolded") or []
+        lines.append(
+            f"carried:  {len(names)} tensors the model class does not run, copied unchanged ({names[0]}"
+            + (", ...)" if len(names) > 1 else ")")
+            + (f"; {', '.join(kept)} kept unfolded: they may read its output" if kept else "")
+        )
+    if carried.get("files") or carried.get("not_copied"):
+        copied = ", ".join(carried.get("files") or []) or "none"
+        skipped = "; not copied: " + ", ".join(carried["not_copied"]) if carried.get("not_copied") else ""
+        lines.append(f"copied:   {copied} (model card and licence files){skipped}")
     if output is not None:
         lines.append(f"saved:    {output}")
     verify = report.get("verify")

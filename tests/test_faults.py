@@ -469,13 +469,14 @@ def tree(folder: Path) -> dict[str, str]:
     }
 
 
-def byte_tokenizer(folder: Path) -> Path:
-    """A byte-level tokenizer of 257 ids (256 bytes and ``<|endoftext|>``), saved into ``folder``."""
+def byte_tokenizer(folder: Path, offset: int = 0) -> Path:
+    """A byte-level tokenizer of 257 ids (256 bytes and ``<|endoftext|>``), saved into ``folder``; its ids
+    start at ``offset`` (a tokenizer of another model, whose ids the small models do not have)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["<|endoftext|>"] = len(vocab)
+    vocab = {c: offset + i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = offset + len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -706,3 +707,137 @@ def test_killed_at_every_stage_leaves_one_complete_checkpoint(small, previous, t
         assert _same_new_output(out, reference) if new else digests(out) == before, stage
     result = run(*args)
     assert result.exit_code == 0 and _same_new_output(out, reference) and hidden(tmp_path) == []
+
+
+# -- C30: token ids outside the vocabulary ----------------------------------------------------------------
+def no_forward(monkeypatch):
+    """From here on, any forward of a Llama fails the test: the refusals below come before a model runs."""
+    from transformers import LlamaForCausalLM
+
+    def ran(*args, **kwargs):
+        raise AssertionError("a model ran before the input was checked")
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", ran)
+
+
+def _largest_id(tokenizer_dir: Path, tokens: int = 16) -> int:
+    from transformers import AutoTokenizer
+
+    from normswap.check import default_input_ids
+
+    return int(default_input_ids(AutoTokenizer.from_pretrained(tokenizer_dir), tokens).max())
+
+
+@pytest.mark.parametrize("case", ["A-tokenizer", "B-streamed", "C-own-tokenizer", "D-eval", "E-check"])
+def test_c30_ids_beyond_the_vocabulary_are_refused_before_any_model_runs(small, tmp_path, monkeypatch, case):
+    """C30: ids of another tokenizer (a wrong --tokenizer; a directory whose own tokenizer has more ids
+    than vocab_size) ended in an IndexError traceback in convert, streamed convert and eval. Now exit 2,
+    one line naming the largest id and the vocabulary size; nothing written, the input unchanged."""
+    other = byte_tokenizer(tmp_path / "other-tokenizer", offset=30000)  # ids 30000-30256: beyond 260
+    if case.startswith(("C", "D", "E")):
+        model = small_model(tmp_path / "own", vocab=200)  # its byte tokenizer has 257 ids
+        vocab, largest = 200, _largest_id(model)
+    else:
+        model, vocab, largest = small, SMALL_VOCAB, _largest_id(other)
+    assert largest >= vocab
+    before = tree(model)
+    no_forward(monkeypatch)
+    out = tmp_path / "out"
+    args = {
+        "A-tokenizer": ["convert", model, "--output", out, "--tokenizer", other, *FEW],
+        "B-streamed": ["convert", model, "--output", out, "--tokenizer", other, *FEW, *STREAMED],
+        "C-own-tokenizer": ["convert", model, "--output", out, *FEW],
+        "D-eval": ["eval", "--model", model, "--converted", model, "--max-tokens", 16, "--window", 16],
+        "E-check": ["check", model, model, *FEW],
+    }[case]
+    assert_one_line(run(*args), 2, f"gives token id {largest}, beyond", f"(vocab_size {vocab})")
+    assert not out.exists() and tree(model) == before and hidden(tmp_path) == []
+
+
+# -- C28: tensors that transformers ignores on load -------------------------------------------------------
+def _mtp_tensors(config, seed: int = 3) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's multi-token-prediction tensors, named as it ships them (layer 61 of a 61-layer model)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, vocab = config.hidden_size, config.vocab_size
+    shapes = {
+        "model.layers.61.enorm.weight": (hidden,),
+        "model.layers.61.hnorm.weight": (hidden,),
+        "model.layers.61.eh_proj.weight": (hidden, 2 * hidden),
+        "model.layers.61.shared_head.norm.weight": (hidden,),
+        "model.layers.61.shared_head.head.weight": (vocab, hidden),
+        "model.layers.61.embed_tokens.weight": (vocab, hidden),
+    }
+    return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+
+
+def deepseek_with_mtp(folder: Path, **overrides) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A tiny DeepSeek-V3 in two shards, plus a third shard of MTP tensors listed in the index."""
+    model = make_tiny_model("deepseek_v3", tie_word_embeddings=False, vocab_size=SMALL_VOCAB, **overrides)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(folder, max_shard_size=size * 3 // 4)
+    byte_tokenizer(folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2
+    mtp = _mtp_tensors(model.config)
+    save_file(mtp, folder / "model-mtp.safetensors", metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(mtp, "model-mtp.safetensors"))
+    index["metadata"]["total_size"] += sum(t.numel() * 4 for t in mtp.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return model, mtp
+
+
+@pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
+def test_c28_tensors_the_loader_skips_reach_the_output(tmp_path, streamed):
+    """C28: DeepSeek-V3's MTP layer (transformers skips model.layers.61.* on load) was silently dropped.
+    Now every input tensor reaches the output, bit for bit; the report and the summary list them; the final
+    norm, whose output they may read, stays unfolded; the output is verified and reloads in transformers
+    within 1e-5 of the original. In memory the tiny model has routed experts (transformers stacks them as it
+    loads and writes them back per expert: not taken for skipped tensors); streamed, all layers are dense
+    (streaming refuses stacked experts)."""
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "src"
+    overrides = {"first_k_dense_replace": 2} if streamed else {}
+    model, mtp = deepseek_with_mtp(src, **overrides)
+    before = tree(src)
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    result = run("convert", src, "--output", out, "--report", report, *FEW, *streamed)
+    assert result.exit_code == 0, result.output
+    assert "carried:  6 tensors the model class does not run" in result.stdout
+    assert "model.norm kept unfolded" in result.stdout
+    data = strict_json(report)
+    assert ("streamed" in data) == bool(streamed)
+    assert sorted(data["carried"]["tensors"]) == sorted(mtp) and data["verify"]["passed"]
+    assert data["carried"]["norms_kept_unfolded"] == ["model.norm"]
+    final = next(s for s in data["sites"] if s["name"] == "model.norm")
+    assert not final["folded"] and "kept unfolded" in final["reason"]
+    saved = tensors_of(out)
+    assert set(tensors_of(src)) <= set(saved)  # every input tensor, by name
+    for name, tensor in mtp.items():
+        assert torch.equal(saved[name], tensor), name  # unchanged, bit for bit
+    assert torch.equal(saved["model.norm.weight"], model.model.norm.weight.detach())
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, SMALL_VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (reloaded(ids).logits - model(ids).logits).abs().max().item()
+    assert diff < 1e-5
+    assert tree(src) == before
+
+
+def test_c28_centering_refuses_a_checkpoint_with_skipped_tensors(tmp_path):
+    """Centering (--norm rmsnorm) changes the embeddings and the residual stream the MTP tensors read:
+    refused in one line naming them, before anything is written."""
+    src = tmp_path / "src"
+    deepseek_with_mtp(src)
+    before = tree(src)
+    result = run("convert", src, "--output", tmp_path / "out", "--norm", "rmsnorm", *FEW)
+    assert_one_line(result, 2, "6 tensors the model class does not run", "model.layers.61.",
+                    "that --norm rmsnorm changes")  # fmt: skip
+    assert tree(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    from normswap.stream.shards import CheckpointReader
+
+    reader = CheckpointReader(folder)
+    return {name: reader.read(name) for name in reader.tensors}
