@@ -841,3 +841,169 @@ def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
 
     reader = CheckpointReader(folder)
     return {name: reader.read(name) for name in reader.tensors}
+
+
+# -- C29: --max-memory with --trust-remote-code -----------------------------------------------------------
+REMOTE_FILES = {
+    "configuration_tiny_remote.py": (
+        "from transformers import LlamaConfig\n\n\n"
+        "class TinyRemoteConfig(LlamaConfig):\n"
+        '    model_type = "tiny_remote"\n'
+    ),
+    "modeling_tiny_remote.py": (
+        "from transformers import LlamaForCausalLM\n\n"
+        "from .configuration_tiny_remote import TinyRemoteConfig\n\n\n"
+        "class TinyRemoteForCausalLM(LlamaForCausalLM):\n"
+        "    config_class = TinyRemoteConfig\n"
+    ),
+}
+
+
+def remote_model(folder: Path) -> Path:
+    """The small Llama as a model with its own code: configuration and modeling files named by auto_map."""
+    small_model(folder)
+    for name, text in REMOTE_FILES.items():
+        (folder / name).write_text(text)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {
+        "model_type": "tiny_remote",
+        "architectures": ["TinyRemoteForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+            "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM",
+        },
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("budget", ["10GiB", "64KB"], ids=["A-fits", "B-streamed"])
+def test_c29_remote_code_with_max_memory(tmp_path, budget):
+    """C29: the streamed opener looked the config class up in transformers' Auto mapping (a KeyError
+    traceback, even for a model that fits). Now (A) converts in memory as without --max-memory, (B)
+    streams: the output holds the model's code, reloads in plain transformers within 1e-5 of the original,
+    and is verified."""
+    from transformers import AutoModelForCausalLM
+
+    src = remote_model(tmp_path / "src")
+    before = tree(src)
+    out, plain = tmp_path / "out", tmp_path / "plain"
+    result = run("convert", src, "--output", out, "--trust-remote-code", "--max-memory", budget, *FEW)
+    assert result.exit_code == 0, result.output
+    data = strict_json(out / "normswap.json")
+    assert data["verify"]["passed"] and data["architecture"] == "TinyRemoteForCausalLM"
+    assert ("streamed" in data) == (budget == "64KB")
+    if budget == "10GiB":
+        assert run("convert", src, "--output", plain, "--trust-remote-code", *FEW).exit_code == 0
+        assert tensors_of(out).keys() == tensors_of(plain).keys()
+        assert all(torch.equal(tensors_of(out)[k], t) for k, t in tensors_of(plain).items())
+    original = AutoModelForCausalLM.from_pretrained(src, trust_remote_code=True).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(reloaded).__name__ == "TinyRemoteForCausalLM"
+    ids = torch.randint(0, SMALL_VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (reloaded(ids).logits - original(ids).logits).abs().max().item() < 1e-5
+    assert tree(src) == before
+
+
+def test_c28_same_kind_qwen3_next_mtp_and_the_python_api(tmp_path):
+    """The same kind through the Python API, on Qwen3-Next's `mtp.*` tensors: save_converted with the input
+    path carries them when the final norm was kept unfolded, and refuses in one line when it was folded."""
+    from normswap.io import carry, load_model, report_dict
+    from normswap.walk import walk
+
+    src = tmp_path / "src"
+    model = make_tiny_model("qwen3_next", vocab_size=SMALL_VOCAB, tie_word_embeddings=False)
+    model.save_pretrained(src)
+    gen = torch.Generator().manual_seed(4)
+    mtp = {
+        "mtp.fc.weight": torch.randn(64, 128, generator=gen),
+        "mtp.norm.weight": torch.randn(64, generator=gen),
+    }
+    save_file(mtp, src / "mtp.safetensors", metadata={"format": "pt"})
+    (src / "model.safetensors").rename(src / "model-00001.safetensors")
+    weight_map = dict.fromkeys(load_file(src / "model-00001.safetensors"), "model-00001.safetensors")
+    index = {"metadata": {}, "weight_map": weight_map | dict.fromkeys(mtp, "mtp.safetensors")}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    ids = torch.randint(0, SMALL_VOCAB, (1, 16), generator=gen)
+
+    loaded = load_model(src)
+    assert carry.gather(loaded.info, loaded.model).skipped == list(mtp)
+    folded = normswap.convert(loaded.model, input_ids=ids)
+    with pytest.raises(
+        NormswapError, match="2 tensors the model class does not run .* model.norm, folded here"
+    ):
+        save_converted(loaded.model, None, report_dict(folded, loaded.info), tmp_path / "out", input_path=src)
+    assert not (tmp_path / "out").exists()
+
+    loaded = load_model(src)
+    traced = walk(loaded.model, ids)
+    assert carry.keep_final_norms(loaded.model, traced.sites, list(mtp)) == ["model.norm"]
+    report = normswap.convert(loaded.model, input_ids=ids, traced=traced)
+    out = save_converted(
+        loaded.model, None, report_dict(report, loaded.info), tmp_path / "out", input_path=src
+    )
+    saved = tensors_of(out)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in mtp.items())
+
+
+def test_c28_bin_checkpoint_with_skipped_tensors_is_refused(tmp_path):
+    """Tensors the model class does not run, in a .bin checkpoint: named (normswap copies them from
+    safetensors files only), exit 2, before anything runs or is written."""
+    src = tmp_path / "src"
+    model, mtp = deepseek_with_mtp(tmp_path / "safetensors")
+    src.mkdir()
+    shutil.copy(tmp_path / "safetensors" / "config.json", src)
+    byte_tokenizer(src)
+    torch.save(model.state_dict() | mtp, src / "pytorch_model.bin")
+    result = run("convert", src, "--output", tmp_path / "out", *FEW)
+    assert_one_line(result, 2, "its .bin checkpoint holds 6 tensors the model class does not run",
+                    "model.layers.61.", "save the checkpoint as safetensors first")  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
+def test_model_card_and_licence_files_are_copied(small, tmp_path, streamed):
+    """The model card and licence files beside the weights reach the output byte for byte; one larger than
+    the limit is named, not copied; the output is still an earlier normswap output for --overwrite."""
+    from normswap.io.carry import DOC_LIMIT
+
+    src = Path(shutil.copytree(small, tmp_path / "src"))
+    (src / "README.md").write_text("# Tiny model\nA model card.\n")
+    (src / "LICENSE").write_text("Permission is granted ...\n")
+    (src / "NOTICE-data.txt").write_bytes(b"x" * (DOC_LIMIT + 1))
+    out = tmp_path / "out"
+    result = run("convert", src, "--output", out, *FEW, *streamed)
+    assert result.exit_code == 0, result.output
+    assert (out / "README.md").read_bytes() == (src / "README.md").read_bytes()
+    assert (out / "LICENSE").read_bytes() == (src / "LICENSE").read_bytes()
+    assert not (out / "NOTICE-data.txt").exists()
+    assert "copied:   LICENSE, README.md (model card and licence files); not copied: NOTICE-data.txt" in (
+        result.stdout
+    )
+    carried = strict_json(out / "normswap.json")["carried"]
+    assert carried["files"] == ["LICENSE", "README.md"] and carried["tensors"] == []
+    assert run("convert", src, "--output", out, "--overwrite", *FEW, *streamed).exit_code == 0
+
+
+def test_api_failed_verification_keeps_the_previous_output(small, previous, tmp_path):
+    """save_converted(..., expected=...) verifies beside the output: a failure raises one line and leaves
+    the previous checkpoint byte for byte."""
+    from normswap.io import load_model, record_expected, report_dict
+
+    out = tmp_path / "out"
+    before = previous_output(previous, out)
+    loaded = load_model(small)
+    ids = torch.randint(0, SMALL_VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    report = report_dict(normswap.convert(loaded.model, input_ids=ids), loaded.info)
+    expected = record_expected(loaded.model, ids)
+    expected.outputs = expected.outputs + 1  # the saved copy cannot reproduce these
+    with pytest.raises(
+        NormswapError, match=r"verification of the checkpoint for .* failed .* left as it was"
+    ):
+        save_converted(loaded.model, None, report, out, overwrite=True, expected=expected)
+    assert digests(out) == before and hidden(tmp_path) == []
+    assert not report["verify"]["passed"] and report["verify"]["path"] == str(out)
+    expected = record_expected(loaded.model, ids)
+    save_converted(loaded.model, None, report, out, overwrite=True, expected=expected)
+    assert strict_json(out / "normswap.json")["verify"]["passed"]

@@ -111,6 +111,24 @@ def checkpoint_tensors(folder: Path) -> list[str]:
     return sorted(reader.tensors, key=lambda n: (reader.tensors[n].file, reader.tensors[n].start))
 
 
+def _bin_tensors(folder: Path) -> list[str]:
+    """The tensor names of a PyTorch ``.bin`` checkpoint in ``folder``: its index's, or the file's keys
+    (``torch.load`` memory-mapped, tensors only, nothing read); ``[]`` without one."""
+    index = folder / "pytorch_model.bin.index.json"
+    if index.is_file():
+        try:
+            return list(json.loads(index.read_text())["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+    single = folder / "pytorch_model.bin"
+    if not single.is_file():
+        return []
+    try:
+        return list(torch.load(single, map_location="cpu", mmap=True, weights_only=True))
+    except Exception:  # noqa: BLE001 - an unreadable file: transformers' own load says so
+        return []
+
+
 def shard_size(folder: Path) -> int | None:
     """Bytes of the largest shard of a sharded safetensors checkpoint in ``folder`` (``None``: unsharded)."""
     from normswap.stream.shards import INDEX
@@ -157,9 +175,17 @@ def gather(resolved, model: torch.nn.Module | None = None) -> InputFiles:
     names, skipped = [], []
     if model is not None:
         names = checkpoint_tensors(folder)
-        if names:
-            known = saved_names(model)
-            skipped = [n for n in names if n not in known]
+        bin_names = [] if names else _bin_tensors(folder)
+        known = saved_names(model) if names or bin_names else set()
+        skipped = [n for n in names if n not in known]
+        if bin_names:  # .bin weights: their tensors can be named, not copied
+            lost = [n for n in bin_names if n not in known]
+            if lost:
+                raise NormswapError(
+                    f"{resolved.source}: its .bin checkpoint holds {len(lost)} tensors the model class does "
+                    f"not run ({_names(lost)}); normswap copies such tensors from safetensors files only: "
+                    "save the checkpoint as safetensors first"
+                )
     return InputFiles(folder, skipped, docs, large, shard_size(folder), names=names)
 
 

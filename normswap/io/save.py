@@ -267,13 +267,13 @@ def save_converted(
     """
     out = check_output_dir(out_dir, input_path, overwrite=overwrite)
     model, manifest = plain_manifest(model, report)  # a PEFT model: a merged copy, freed on return
+    inputs = _api_inputs(model, manifest, input_path)
     with Staging(out, overwrite=overwrite) as stage:
-        with stage.writing():
-            write_checkpoint(model, tokenizer, manifest, stage.path)
-        staging.at_stage("written")
+        carried = _write_staged(stage, model, tokenizer, manifest, inputs, str(input_path))
         if expected is not None:
             from normswap.io.verify import verify_saved
 
+            expected.carried = carried
             verified = verify_saved(stage.path, expected, trust_remote_code=trust_remote_code)
             report["verify"] = manifest["verify"] = verified.to_dict() | {"path": str(out)}
             if not verified.passed:
@@ -285,6 +285,53 @@ def save_converted(
         stage.commit(manifest)
     log.info("saved %s", out)
     return out
+
+
+def _api_inputs(model: torch.nn.Module, manifest: dict, input_path):
+    """``carry.gather`` for ``save_converted``'s ``input_path`` (nothing without one). Tensors the model
+    class does not run are carried only when the conversion the manifest records kept what they read.
+
+    Raises:
+        NormswapError: such tensors, and a centered model or a folded final norm (one line naming them).
+    """
+    from normswap.io import carry
+    from normswap.sites import NormSite
+
+    try:
+        resolved = resolve(input_path, download=False) if input_path is not None else None
+    except NormswapError:  # not a model path: only the output guards use it
+        resolved = None
+    if resolved is None:
+        return carry.InputFiles()
+    inputs = carry.gather(resolved, model)
+    if inputs.skipped:
+        if manifest.get("norm", "keep") != "keep":
+            carry.refuse_changed_stream(str(input_path), inputs.skipped, f"norm={manifest['norm']!r}")
+        sites = [NormSite.from_dict(s) for s in manifest.get("sites", [])]
+        folded = [s.name for s in carry.final_norms(model, sites) if s.folded]
+        if folded:
+            raise NormswapError(
+                f"{input_path}: the checkpoint holds {len(inputs.skipped)} tensors the model class does not "
+                f"run ({inputs.skipped[0]}, ...), which may read the output of {folded[0]}, folded here; "
+                "keep it unfolded (normswap.io.carry.keep_final_norms on the walk's sites before convert)"
+            )
+    return inputs
+
+
+def _write_staged(stage: Staging, model, tokenizer, manifest: dict, inputs, source: str) -> dict:
+    """Write the checkpoint into ``stage.path``: the model (in the input's shard size), the tensors the model
+    class does not run, the model card and licence files (``inputs``), the manifest; every input tensor must
+    have reached it. Returns the carried tensors' fingerprints (for the verification)."""
+    from normswap.io import carry
+
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
+    with stage.writing():
+        write_checkpoint(model, tokenizer, manifest, stage.path, max_shard_size=inputs.shard_size)
+        carried = carry.append_tensors(stage.path, inputs.folder, inputs.skipped, dtype, inputs.shard_size)
+        carry.copy_docs(inputs, stage.path)
+    carry.check_complete(source, inputs, stage.path, set(model.state_dict()))
+    staging.at_stage("written")
+    return carried
 
 
 def save_and_verify(
@@ -337,18 +384,11 @@ def save_and_verify(
     out = check_output_dir(out_dir, input_path, overwrite=overwrite)
     inputs = inputs if inputs is not None else carry.InputFiles()
     expected = record_expected(loaded.model, input_ids)
-    own_names = set(loaded.model.state_dict())
     with Staging(out, overwrite=overwrite) as stage:
         step(f"saving to {out} ...")
-        with stage.writing():
-            shard = inputs.shard_size
-            write_checkpoint(loaded.model, loaded.tokenizer, report, stage.path, max_shard_size=shard)
-            expected.carried = carry.append_tensors(
-                stage.path, inputs.folder, inputs.skipped, torch_dtype(expected.dtype), shard
-            )
-            carry.copy_docs(inputs, stage.path)
-        carry.check_complete(str(input_path), inputs, stage.path, own_names)
-        staging.at_stage("written")
+        expected.carried = _write_staged(
+            stage, loaded.model, loaded.tokenizer, report, inputs, str(input_path)
+        )
         loaded.model = None  # the fresh load below then needs one model's memory, not two
         step(f"verifying {out} by a fresh load ...")
         verified = verify_saved(stage.path, expected, trust_remote_code=trust_remote_code)
