@@ -131,7 +131,12 @@ def main() -> None:
     "[default: 512, or the model's max_position_embeddings if smaller].",
 )
 @click.option("--force", is_flag=True, help="Save the checkpoint even when the logits check fails.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace an existing output directory that normswap wrote (or an empty one), once the new "
+    "checkpoint is verified.",
+)
 @click.option(
     "--no-untie",
     is_flag=True,
@@ -163,13 +168,14 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
 
     _quiet_transformers()
     io.check_output_dir(output, model, overwrite=overwrite)
+    report_file = None  # written by its absolute path: `--output .` may exchange the working directory
     if report is not None:
-        io.check_output_file(report, [model], output)
+        report_file = io.check_output_file(report, [model], output)
     options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
                    overwrite=overwrite, no_untie=no_untie)  # fmt: skip
     if max_memory is not None and _convert_streamed(
         model, output, report, max_memory, device=device, device_map=device_map, tokenizer=tokenizer_name,
-        **options,
+        report_file=report_file, **options,
     ):  # fmt: skip
         return
     t0 = time.perf_counter()
@@ -216,12 +222,12 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
             if report is not None:  # the report still tells what was converted, where it can be written
                 report_dict["saved"] = False
                 with contextlib.suppress(NormswapError):
-                    io.write_json(report, report_dict)
+                    io.write_json(report_file, report_dict)
             raise
         saved = verified.passed or force
     report_dict["saved"] = saved
     if report is not None:
-        io.write_json(report, report_dict)
+        io.write_json(report_file, report_dict)
     click.echo(_summary(report_dict, output if saved else None, report))
     verify_failed = not report_dict.get("verify", {}).get("passed", True)
     if not passed or verify_failed:
@@ -232,8 +238,8 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         raise SystemExit(1)
 
 
-def _convert_streamed(model, output, report, max_memory, *, device, device_map, tokenizer, norm, dtype,
-                      trust_remote_code, tokens, force, overwrite, no_untie) -> bool:  # fmt: skip
+def _convert_streamed(model, output, report, max_memory, *, device, device_map, tokenizer, report_file, norm,
+                      dtype, trust_remote_code, tokens, force, overwrite, no_untie) -> bool:  # fmt: skip
     """``convert --max-memory``: False when the model fits in the budget (the in-memory path then runs),
     else the streamed conversion (``normswap.stream``, on the CPU), with the same outputs, messages and exit
     codes; options it cannot honour (``--norm rmsnorm``, ``--device-map``, a ``--device`` other than the
@@ -270,7 +276,7 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
     saved = (passed and not verify_failed) or force
     report_dict["saved"] = saved
     if report is not None:
-        io.write_json(report, report_dict)
+        io.write_json(report_file, report_dict)
     click.echo(_summary(report_dict, output if saved else None, report))
     if not passed or verify_failed:
         what = "check FAILED" if not passed else "verification of the saved checkpoint FAILED"

@@ -321,7 +321,7 @@ def eval_command(
             raise NormswapError(f"{name} is not a causal LM (no output embeddings to compute logits)")
     check_same_model(model_source, original.config, converted, conv.config)
     both = {model_source: original.config, converted: conv.config}
-    if tasks is not None:  # lm-eval tokenizes as it goes: every id of the tokenizer must be in the vocabulary
+    if tasks is not None and tokenizer is not None:  # lm-eval tokenizes as it goes: check all its ids
         largest = max(tokenizer.get_vocab().values(), default=0)
         check_vocabulary(largest, both, f"the tokenizer of {model_source} (its largest id)")
         from normswap.lmeval import run_command

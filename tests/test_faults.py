@@ -576,6 +576,18 @@ def test_c26_overwrite_replaces_an_empty_folder_or_an_earlier_output_only(small,
     assert hidden(tmp_path) == []
 
 
+def test_c26_dot_inside_an_earlier_output_is_replaced(small, previous, tmp_path, monkeypatch):
+    """`--output . --overwrite` from inside an earlier output replaces it (the working directory moves with
+    the exchange); a relative --report is still written where it was asked for."""
+    out = tmp_path / "out"
+    previous_output(previous, out)
+    monkeypatch.chdir(out)
+    result = run("convert", small, "--output", ".", "--overwrite", "--report", "../r.json", *FEW)
+    assert result.exit_code == 0, result.output
+    assert strict_json(tmp_path / "r.json")["verify"]["passed"] and hidden(tmp_path) == []
+    assert strict_json(out / "normswap.json")["model"] == str(small)
+
+
 @pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
 def test_c27_failed_verification_keeps_the_previous_output(small, previous, tmp_path, monkeypatch, streamed):
     """C27: a failed fresh-load verification exited 1 "nothing saved" with the previous output already

@@ -89,8 +89,10 @@ def parse_size(text: str) -> int:
 
 
 # What a streamed conversion needs from a hub repository besides the weights: config, index, generation
-# config and the tokenizer in any of its formats (Python files only with trust_remote_code).
-HUB_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "vocab*", "merges*"]
+# config, the tokenizer in any of its formats, the model card and licence files (normswap.io.carry; Python
+# files only with trust_remote_code).
+HUB_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "vocab*", "merges*",
+             "README*", "LICENSE*", "LICENCE*", "NOTICE*", "USE_POLICY*"]  # fmt: skip
 
 
 def fetch_hub(repo_id: str, trust_remote_code: bool = False) -> str:
