@@ -825,6 +825,9 @@ def test_c28_tensors_the_loader_skips_reach_the_output(tmp_path, streamed):
     assert not final["folded"] and "kept unfolded" in final["reason"]
     saved = tensors_of(out)
     assert set(tensors_of(src)) <= set(saved)  # every input tensor, by name
+    index = json.loads((out / "model.safetensors.index.json").read_text())  # lists every file and byte
+    assert set(index["weight_map"]) == set(saved)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in saved.values())
     for name, tensor in mtp.items():
         assert torch.equal(saved[name], tensor), name  # unchanged, bit for bit
     assert torch.equal(saved["model.norm.weight"], model.model.norm.weight.detach())

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -335,6 +336,8 @@ def append_tensors(dest: Path, source: Path, names: list[str], dtype: torch.dtyp
         weight_map.update(dict.fromkeys((name for name, _, _ in chunk), file))
     index.unlink(missing_ok=True)
     write_index(dest, weight_map, sum(_data_bytes(dest / f) for f in file_names))
+    if isinstance(metadata.get("total_parameters"), int):  # transformers counts the elements too
+        metadata["total_parameters"] += sum(math.prod(shape) for _, _, shape in entries)
     if set(metadata) - {"total_size"}:  # keep what transformers' index held besides the size
         data = json.loads(index.read_text())
         data["metadata"] = metadata | data["metadata"]

@@ -252,7 +252,8 @@ def verify_saved(
     state dict has the same tensor names, and each the same dtype (also as stored in the safetensors
     files), shape and bytes; the outputs on ``expected.input_ids`` with the manifest's fused norms are
     bit-identical, and in float32/float64 those of the plain transformers load are within the check's
-    max-abs tolerance. Needs one model's
+    max-abs tolerance; the tensors carried beside the model's (``expected.carried``: checkpoint tensors
+    the model class does not run) are read back from the files with their digests. Needs one model's
     memory (free the in-memory model first to keep the peak at one model).
 
     Returns:
