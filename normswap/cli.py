@@ -191,7 +191,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
     inputs = carry.gather(loaded.info, loaded.model)  # tensors the class does not run, model card, shards
     if norm != "keep":
-        carry.refuse_changed_stream(model, inputs.skipped, f"--norm {norm}")
+        carry.refuse_changed_stream(model, loaded.model, inputs.skipped, f"--norm {norm}")
     input_ids, check_input = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens)
     _step("finding the norms and their consumers ...")
     traced = walk(loaded.model, short_inputs(input_ids))  # the dataflow does not depend on the length

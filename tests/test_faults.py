@@ -962,19 +962,42 @@ def test_c28_same_kind_qwen3_next_mtp_and_the_python_api(tmp_path):
     assert all(torch.equal(saved[name], tensor) for name, tensor in mtp.items())
 
 
-def test_c28_bin_checkpoint_with_skipped_tensors_is_refused(tmp_path):
-    """Tensors the model class does not run, in a .bin checkpoint: named (normswap copies them from
-    safetensors files only), exit 2, before anything runs or is written."""
+def test_c28_bin_checkpoint_tensors_reach_the_output(tmp_path):
+    """The same kind in a PyTorch .bin checkpoint: its MTP tensors are read from the .bin file (memory-mapped)
+    and reach the (safetensors) output unchanged."""
     src = tmp_path / "src"
     model, mtp = deepseek_with_mtp(tmp_path / "safetensors")
     src.mkdir()
     shutil.copy(tmp_path / "safetensors" / "config.json", src)
     byte_tokenizer(src)
     torch.save(model.state_dict() | mtp, src / "pytorch_model.bin")
-    result = run("convert", src, "--output", tmp_path / "out", *FEW)
-    assert_one_line(result, 2, "its .bin checkpoint holds 6 tensors the model class does not run",
-                    "model.layers.61.", "save the checkpoint as safetensors first")  # fmt: skip
-    assert not (tmp_path / "out").exists()
+    out = tmp_path / "out"
+    result = run("convert", src, "--output", out, *FEW)
+    assert result.exit_code == 0, result.output
+    saved = tensors_of(out)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in mtp.items())
+
+
+@pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
+def test_stale_rotary_buffers_are_carried_and_the_final_norm_still_folds(small, tmp_path, streamed):
+    """An old checkpoint's per-layer `rotary_emb.inv_freq` (transformers drops it by its generic rule; the
+    class computes it itself): carried over like every input tensor, but it reads no hidden state, so every
+    norm folds as without it."""
+    src = Path(shutil.copytree(small, tmp_path / "src"))
+    name = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    shard = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]["model.norm.weight"]
+    rewrite = load_file(src / shard) | {name: torch.arange(8, dtype=torch.float32)}
+    save_file(rewrite, src / shard, metadata={"format": "pt"})
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"][name] = shard
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "out"
+    result = run("convert", src, "--output", out, *FEW, *streamed)
+    assert result.exit_code == 0, result.output
+    data = strict_json(out / "normswap.json")
+    assert data["carried"]["tensors"] == [name] and data["carried"]["norms_kept_unfolded"] == []
+    assert data["norms_folded"] == data["norms_found"] == 5
+    assert torch.equal(tensors_of(out)[name], torch.arange(8, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])

@@ -4,15 +4,17 @@
   model class's ``_keys_to_ignore_on_load_unexpected`` matches: DeepSeek-V3's multi-token-prediction (MTP)
   layer ``model.layers.61.*``, GLM-4.5's, Qwen3-Next's ``mtp.*``. Serving stacks use them (speculative
   decoding), so they must reach the output. They are found by comparing tensor names, not from a list of
-  architectures: the names in the input's safetensors headers, minus the names the loaded model writes
-  (``saved_names``: its state dict, and the names transformers' ``save_pretrained`` turns it back into),
-  minus the model's own parameter names. They are copied as they are, floating tensors cast to the
+  architectures: the names in the input's safetensors headers (or ``.bin`` files, ``InputTensors``),
+  minus the names the loaded model writes (``saved_names``: its state dict, and the names transformers'
+  ``save_pretrained`` turns it back into). They are copied as they are, floating tensors cast to the
   conversion's dtype like every other tensor (``append_tensors``), and verified by digest.
   Their inputs cannot be traced (the class never runs them); MTP layers read the embeddings and the target
   model's final hidden state, which serving stacks may take after the final norm. A conversion that keeps
   both (folding leaves the embeddings and the residual stream alone) keeps the final norm unfolded
   (``keep_final_norms``); one that changes them (``--norm rmsnorm`` centers the residual stream) is
-  refused before anything is written (``refuse_changed_stream``).
+  refused before anything is written (``refuse_changed_stream``). Stale buffers that transformers drops
+  by its generic rule (an old checkpoint's per-layer ``rotary_emb.inv_freq``) are carried too, but read
+  no hidden state (``may_read_outputs``).
 * **Model card and licence files** beside the weights (``DOC_PATTERN``: README*, LICENSE*/LICENCE*,
   NOTICE*, COPYING*, USE_POLICY*, ACCEPTABLE_USE*; top-level regular files, symlinks followed, at most
   ``DOC_LIMIT`` bytes each; a larger one is not copied and the report names it). No other file is copied:
@@ -112,22 +114,61 @@ def checkpoint_tensors(folder: Path) -> list[str]:
     return sorted(reader.tensors, key=lambda n: (reader.tensors[n].file, reader.tensors[n].start))
 
 
-def _bin_tensors(folder: Path) -> list[str]:
-    """The tensor names of a PyTorch ``.bin`` checkpoint in ``folder``: its index's, or the file's keys
-    (``torch.load`` memory-mapped, tensors only, nothing read); ``[]`` without one."""
-    index = folder / "pytorch_model.bin.index.json"
-    if index.is_file():
-        try:
-            return list(json.loads(index.read_text())["weight_map"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return []
-    single = folder / "pytorch_model.bin"
-    if not single.is_file():
-        return []
-    try:
-        return list(torch.load(single, map_location="cpu", mmap=True, weights_only=True))
-    except Exception:  # noqa: BLE001 - an unreadable file: transformers' own load says so
-        return []
+class InputTensors:
+    """The tensors of an input checkpoint directory, read one at a time: safetensors files (headers checked,
+    ``normswap.stream.shards.CheckpointReader``) or PyTorch ``.bin`` files (``torch.load`` memory-mapped,
+    tensors only); ``names`` is empty for a directory with neither.
+
+    Raises:
+        NormswapError: a safetensors file that is truncated or corrupt, or a ``.bin`` file that does not load.
+    """
+
+    BIN_INDEX, BIN_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
+
+    def __init__(self, folder: Path):
+        from normswap.stream.shards import INDEX, SINGLE, CheckpointReader
+
+        self.folder = Path(folder)
+        self._reader, self._files, self._loaded = None, {}, {}
+        if (self.folder / INDEX).is_file() or (self.folder / SINGLE).is_file():
+            self._reader = CheckpointReader(self.folder)
+            self.names = checkpoint_tensors(self.folder)
+        elif (self.folder / self.BIN_INDEX).is_file():
+            try:
+                self._files = dict(json.loads((self.folder / self.BIN_INDEX).read_text())["weight_map"])
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise NormswapError(f"{self.folder / self.BIN_INDEX}: not a valid index ({error})") from error
+            self.names = list(self._files)
+        elif (self.folder / self.BIN_SINGLE).is_file():
+            self.names = list(self._load(self.BIN_SINGLE))
+            self._files = dict.fromkeys(self.names, self.BIN_SINGLE)
+        else:
+            self.names = []
+
+    def _load(self, file: str) -> dict:
+        if file not in self._loaded:
+            try:
+                self._loaded[file] = torch.load(
+                    self.folder / file, map_location="cpu", mmap=True, weights_only=True
+                )
+            except Exception as error:  # noqa: BLE001 - pickle, zip and OS errors: one line
+                raise NormswapError(f"cannot read {self.folder / file}: {error}") from error
+        return self._loaded[file]
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """``(dtype, shape)`` of tensor ``name`` as stored."""
+        if self._reader is not None:
+            info = self._reader.tensors[name]
+            return info.dtype, tuple(info.shape)
+        tensor = self._load(self._files[name])[name]
+        return tensor.dtype, tuple(tensor.shape)
+
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor ``name`` on the CPU, cast to ``dtype`` when it is floating."""
+        if self._reader is not None:
+            return self._reader.read(name, dtype)
+        tensor = self._load(self._files[name])[name]
+        return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor.clone()
 
 
 def shard_size(folder: Path) -> int | None:
@@ -175,18 +216,9 @@ def gather(resolved, model: torch.nn.Module | None = None) -> InputFiles:
     docs, large = doc_files(folder)
     names, skipped = [], []
     if model is not None:
-        names = checkpoint_tensors(folder)
-        bin_names = [] if names else _bin_tensors(folder)
-        known = saved_names(model) if names or bin_names else set()
+        names = InputTensors(folder).names
+        known = saved_names(model) if names else set()
         skipped = [n for n in names if n not in known]
-        if bin_names:  # .bin weights: their tensors can be named, not copied
-            lost = [n for n in bin_names if n not in known]
-            if lost:
-                raise NormswapError(
-                    f"{resolved.source}: its .bin checkpoint holds {len(lost)} tensors the model class does "
-                    f"not run ({_names(lost)}); normswap copies such tensors from safetensors files only: "
-                    "save the checkpoint as safetensors first"
-                )
     return InputFiles(folder, skipped, docs, large, shard_size(folder), names=names)
 
 
@@ -204,22 +236,34 @@ def loader_ignores(model: torch.nn.Module, names) -> set[str]:
         return {n for n in names if any(re.search(p, n) for p in patterns)}
 
 
+def may_read_outputs(model: torch.nn.Module, skipped: list[str]) -> list[str]:
+    """The ``skipped`` tensors that may read the model's embeddings or hidden states: all of them but the
+    stale buffers that transformers' loader drops by its generic rule (an old checkpoint's per-layer
+    ``rotary_emb.inv_freq`` or ``position_ids``, which the class computes itself), told apart as the
+    ones it drops although the class does not declare them (``_keys_to_ignore_on_load_unexpected``)."""
+    declared = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    generic = {n for n in loader_ignores(model, skipped) if not any(p.search(n) for p in declared)}
+    return [n for n in skipped if n not in generic]
+
+
 def _names(names: list[str], limit: int = 3) -> str:
     more = f", ... ({len(names)} in all)" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
 
 
-def refuse_changed_stream(source: str, skipped: list[str], option: str) -> None:
+def refuse_changed_stream(source: str, model: torch.nn.Module, skipped: list[str], option: str) -> None:
     """Refuse ``option`` (a conversion that changes the embeddings and the residual stream) on a checkpoint
-    with tensors the model class does not run: they read both, and cannot be converted with it.
+    with tensors the model class does not run that may read both (``may_read_outputs``): they could not be
+    carried over exactly.
 
     Raises:
-        NormswapError: always, when ``skipped`` is not empty (one line naming them).
+        NormswapError: there are such tensors (one line naming them).
     """
-    if skipped:
+    reading = may_read_outputs(model, skipped)
+    if reading:
         raise NormswapError(
-            f"{source}: the checkpoint holds {len(skipped)} tensors the model class does not run "
-            f"({_names(skipped)}), which read the embeddings and the residual stream that {option} changes; "
+            f"{source}: the checkpoint holds {len(reading)} tensors the model class does not run "
+            f"({_names(reading)}), which read the embeddings and the residual stream that {option} changes; "
             "they cannot be carried over exactly: convert without it (they are then copied unchanged)"
         )
 
@@ -234,18 +278,19 @@ def final_norms(model: torch.nn.Module, sites) -> list:
 
 
 def keep_final_norms(model: torch.nn.Module, sites, skipped: list[str]) -> list[str]:
-    """Keep the final norm(s) unfolded when the checkpoint has tensors the model class does not run: they
-    may read the final hidden state after that norm (see the module docstring). Marks those sites not
-    foldable, with the reason; returns their names."""
-    if not skipped:
+    """Keep the final norm(s) unfolded when the checkpoint has tensors the model class does not run that
+    may read the final hidden state after that norm (``may_read_outputs``; see the module docstring).
+    Marks those sites not foldable, with the reason; returns their names."""
+    reading = may_read_outputs(model, skipped) if skipped else []
+    if not reading:
         return []
     kept = []
     for site in final_norms(model, sites):
         if site.foldable:
             site.foldable = False
             site.reason = (
-                f"kept unfolded: {len(skipped)} checkpoint tensors the model class does not run "
-                f"({_names(skipped, 1)}) may read its output; they are copied unchanged"
+                f"kept unfolded: {len(reading)} checkpoint tensors the model class does not run "
+                f"({_names(reading, 1)}) may read its output; they are copied unchanged"
             )
             kept.append(site.name)
     return kept
@@ -273,7 +318,8 @@ def append_tensors(dest: Path, source: Path, names: list[str], dtype: torch.dtyp
                    max_shard: int | None) -> dict[str, tuple]:  # fmt: skip
     """Append checkpoint tensors ``names`` of the input directory ``source`` to the checkpoint in ``dest``.
 
-    They are read one at a time (floating ones cast to ``dtype``, as every tensor of the conversion) and
+    They are read one at a time (``InputTensors``; floating ones cast to ``dtype``, as every tensor of the
+    conversion) and
     written in new shards of at most ``max_shard`` bytes (one per tensor beyond it; one shard when
     ``None``) after the existing ones; every shard is renamed ``model-0000i-of-0000N.safetensors`` and the
     index (``model.safetensors.index.json``) lists them all.
@@ -283,11 +329,11 @@ def append_tensors(dest: Path, source: Path, names: list[str], dtype: torch.dtyp
         fingerprint), for the verification.
     """
     from normswap.io.verify import _digest
-    from normswap.stream.shards import INDEX, SINGLE, CheckpointReader, ShardWriter, nbytes, write_index
+    from normswap.stream.shards import INDEX, SINGLE, ShardWriter, nbytes, write_index
 
     if not names:
         return {}
-    reader = CheckpointReader(source)
+    reader = InputTensors(source)
     index = dest / INDEX
     if index.is_file():
         data = json.loads(index.read_text())
@@ -300,8 +346,8 @@ def append_tensors(dest: Path, source: Path, names: list[str], dtype: torch.dtyp
     existing = sorted(set(weight_map.values()))
     entries = []
     for name in names:
-        info = reader.tensors[name]
-        entries.append((name, dtype if info.dtype.is_floating_point else info.dtype, info.shape))
+        own, shape = reader.meta(name)
+        entries.append((name, dtype if own.is_floating_point else own, shape))
     chunks: list[list] = []
     size = 0
     for entry in entries:

@@ -304,15 +304,16 @@ def _api_inputs(model: torch.nn.Module, manifest: dict, input_path):
     if resolved is None:
         return carry.InputFiles()
     inputs = carry.gather(resolved, model)
-    if inputs.skipped:
+    reading = carry.may_read_outputs(model, inputs.skipped) if inputs.skipped else []
+    if reading:
         if manifest.get("norm", "keep") != "keep":
-            carry.refuse_changed_stream(str(input_path), inputs.skipped, f"norm={manifest['norm']!r}")
+            carry.refuse_changed_stream(str(input_path), model, reading, f"norm={manifest['norm']!r}")
         sites = [NormSite.from_dict(s) for s in manifest.get("sites", [])]
         folded = [s.name for s in carry.final_norms(model, sites) if s.folded]
         if folded:
             raise NormswapError(
-                f"{input_path}: the checkpoint holds {len(inputs.skipped)} tensors the model class does not "
-                f"run ({inputs.skipped[0]}, ...), which may read the output of {folded[0]}, folded here; "
+                f"{input_path}: the checkpoint holds {len(reading)} tensors the model class does not "
+                f"run ({reading[0]}, ...), which may read the output of {folded[0]}, folded here; "
                 "keep it unfolded (normswap.io.carry.keep_final_norms on the walk's sites before convert)"
             )
     return inputs
