@@ -55,7 +55,7 @@ class InputFiles:
         large: files named like ``docs`` but larger than ``DOC_LIMIT`` (not copied).
         shard_size: bytes of the largest shard when the input is sharded, else ``None``.
         kept: norms kept unfolded because ``skipped`` may read their output (``keep_final_norms``).
-        names: every tensor name of the input's safetensors files (checked against the output).
+        names: every tensor name of the input's safetensors (or .bin) files (checked against the output).
     """
 
     folder: Path | None = None
