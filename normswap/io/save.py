@@ -65,7 +65,9 @@ def _check_creatable(folder: Path) -> None:
         raise NormswapError(f"cannot create {folder}: {error.strerror or error}") from error
 
 
-def check_output_dir(out_dir: str | os.PathLike, source=None, *, overwrite: bool = False) -> Path:
+def check_output_dir(
+    out_dir: str | os.PathLike, source=None, *, overwrite: bool = False, write_into: bool = False
+) -> Path:
     """Check that ``out_dir`` can receive a converted checkpoint of model ``source``; return it absolute.
 
     Nothing is created. Call it before the (slow) load so bad input fails at once.
@@ -76,6 +78,8 @@ def check_output_dir(out_dir: str | os.PathLike, source=None, *, overwrite: bool
             command), or ``None``.
         overwrite: whether an existing ``out_dir`` may be replaced: only an empty directory or one that
             normswap wrote (``normswap.io.staging.check_replaceable``) ever is.
+        write_into: an existing directory is written into, file by file (``bench --out``), never replaced:
+            it may hold anything.
 
     Raises:
         NormswapError: ``out_dir`` exists (without ``overwrite``) or is a file, lies inside an input
@@ -94,7 +98,8 @@ def check_output_dir(out_dir: str | os.PathLike, source=None, *, overwrite: bool
                 f"output directory {out} contains the input model {protected}; "
                 "replacing it would delete the input"
             )
-    staging.check_replaceable(out, overwrite)
+    if not (write_into and out.is_dir()):
+        staging.check_replaceable(out, overwrite)
     _check_creatable(out.parent)
     return out
 
