@@ -3,7 +3,10 @@
 Each test asserts the exit code (0 success, 1 the check failed, 2 bad input, 130 interrupted), the one
 line a failure prints, and that the input and the file system are as promised: the input unchanged,
 nothing half-written, no hidden build folder or lock file left (field cases C18-C25 in
-../shared/cases/README.md).
+../shared/cases/README.md). C26-C30: nothing of the user's is lost: --overwrite replaces only what normswap
+wrote, the previous output stays byte for byte until the new one is verified (a run killed at every stage
+of the save, in memory and streamed), every input tensor reaches the output, token ids are checked against
+the vocabulary and remote-code models stream, before any model runs.
 
 The "tiny saved Llama" of the cases: vocab 49152 (SmolLM2's), hidden 64, 2 layers, norms re-randomized,
 saved with ``save_pretrained`` beside SmolLM2's tokenizer (read from the cached smollm2-135m GGUF; where
