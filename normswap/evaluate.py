@@ -295,7 +295,7 @@ def eval_command(
     CPU-only machine too: the K processes then form a CPU group): windows (or lm-eval's documents) are
     sharded across processes and the results gathered; only the main process prints and writes --report.
     """
-    from normswap.check.inputs import check_positions, check_same_model, default_tokens
+    from normswap.check.inputs import check_positions, check_same_model, check_vocabulary, default_tokens
     from normswap.io import check_output_file, quiet_loading, write_json
 
     quiet_loading()
@@ -320,7 +320,10 @@ def eval_command(
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
             raise NormswapError(f"{name} is not a causal LM (no output embeddings to compute logits)")
     check_same_model(model_source, original.config, converted, conv.config)
-    if tasks is not None:
+    both = {model_source: original.config, converted: conv.config}
+    if tasks is not None and tokenizer is not None:  # lm-eval tokenizes as it goes: check all its ids
+        largest = max(tokenizer.get_vocab().values(), default=0)
+        check_vocabulary(largest, both, f"the tokenizer of {model_source} (its largest id)")
         from normswap.lmeval import run_command
 
         header = {"model": model_source, "converted": converted, "dtype": dtype}
@@ -341,6 +344,8 @@ def eval_command(
         min_chars=8 * max_tokens,
     )
     windows = text_windows(tokenizer, text, max_tokens, window, source=source)
+    largest = max(int(w.max()) for w in windows)
+    check_vocabulary(largest, both, f"the tokenizer of {model_source} on {source}")
     result = evaluate(original, conv, windows, acc, progress=sys.stderr.isatty())
     if acc.is_main_process:
         result = {

@@ -304,18 +304,17 @@ def test_verify_saved_names_a_changed_tensor_and_class(llama_dir, tmp_path):
 def test_cli_fails_when_the_saved_checkpoint_differs(llama_dir, tmp_path, monkeypatch):
     """A save that writes other values than were checked (injected here) ends in exit 1 with nothing
     left in the output directory, and the report says which tensor differed."""
-    from normswap import io
+    from normswap.io import save
 
-    real_save = io.save_converted
+    real_write = save.write_checkpoint
 
-    def corrupting_save(model, *args, **kwargs):
-        out = real_save(model, *args, **kwargs)
-        weights = load_file(out / "model.safetensors")
+    def corrupting_write(model, tokenizer, manifest, folder, **kwargs):
+        real_write(model, tokenizer, manifest, folder, **kwargs)
+        weights = load_file(folder / "model.safetensors")
         weights["model.norm.weight"] = weights["model.norm.weight"] + 0.5
-        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-        return out
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
 
-    monkeypatch.setattr(io, "save_converted", corrupting_save)
+    monkeypatch.setattr(save, "write_checkpoint", corrupting_write)
     out, report = tmp_path / "out", tmp_path / "r.json"
     result = run("convert", llama_dir, "--output", out, "--report", report, "--tokens", "32")
     assert result.exit_code == 1 and "verification of the saved checkpoint FAILED" in result.stderr

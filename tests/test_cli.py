@@ -223,7 +223,8 @@ def test_convert_end_to_end(tiny_gguf, tmp_path):
     assert all(SITE_KEYS <= site.keys() for site in data["sites"])
     assert (data["norms_found"], data["norms_folded"], data["norms_swapped"]) == (5, 5, 5)
     assert data["check"]["passed"] and data["check"]["tokens"] == 64
-    assert json.loads((out / "normswap.json").read_text()) == data
+    manifest = json.loads((out / "normswap.json").read_text())
+    assert manifest.pop("output")["written_by"] == "normswap" and manifest == data
 
     from normswap.check import default_input_ids
     from normswap.io import load_model
@@ -258,12 +259,16 @@ def test_check_failure_exits_1_and_saves_nothing(tiny_gguf, tmp_path, monkeypatc
 
 
 def test_overwrite_replaces_output(tiny_gguf, tmp_path):
+    """--overwrite replaces an earlier output of normswap, never a directory holding anything else."""
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    assert run("convert", tiny_gguf, "--output", out, "--tokens", "16").exit_code == 0
     result = run("convert", tiny_gguf, "--output", out, "--tokens", "32", "--overwrite")
     assert result.exit_code == 0, result.stderr
-    assert not (out / "old.txt").exists() and (out / "normswap.json").is_file()
+    assert json.loads((out / "normswap.json").read_text())["check"]["tokens"] == 32
+    (out / "old.txt").write_text("old")
+    result = run("convert", tiny_gguf, "--output", out, "--tokens", "32", "--overwrite")
+    assert result.exit_code == 2 and "holds what normswap did not write: old.txt;" in result.stderr
+    assert (out / "old.txt").read_text() == "old"
 
 
 def test_inspect(tiny_gguf, tmp_path):

@@ -3,7 +3,10 @@
 Each test asserts the exit code (0 success, 1 the check failed, 2 bad input, 130 interrupted), the one
 line a failure prints, and that the input and the file system are as promised: the input unchanged,
 nothing half-written, no hidden build folder or lock file left (field cases C18-C25 in
-../shared/cases/README.md).
+../shared/cases/README.md). C26-C30: nothing of the user's is lost: --overwrite replaces only what normswap
+wrote, the previous output stays byte for byte until the new one is verified (a run killed at every stage
+of the save, in memory and streamed), every input tensor reaches the output, token ids are checked against
+the vocabulary and remote-code models stream, before any model runs.
 
 The "tiny saved Llama" of the cases: vocab 49152 (SmolLM2's), hidden 64, 2 layers, norms re-randomized,
 saved with ``save_pretrained`` beside SmolLM2's tokenizer (read from the cached smollm2-135m GGUF; where
@@ -348,7 +351,7 @@ def test_signal_during_save(tmp_path, sig):
         left = hidden(tmp_path)
         assert ".out.lock" in left and any(n.endswith(".partial") for n in left), left
         save_converted(model, None, {"run": "next"}, out, overwrite=True)
-        assert hidden(tmp_path) == [] and strict_json(out / "normswap.json") == {"run": "next"}
+        assert hidden(tmp_path) == [] and strict_json(out / "normswap.json")["run"] == "next"
 
 
 # -- C23: concurrent saves ---------------------------------------------------------------------------------
@@ -452,3 +455,596 @@ def test_float64_fused_norms_match_hf_and_torch_bit_for_bit():
         assert site.compute_dtype == compute
         with torch.no_grad():
             assert torch.equal(fused_module(site, module)(x), module(x))
+
+
+# -- C26-C30: nothing of the user's is lost ---------------------------------------------------------------
+# A tiny Llama with a byte-level tokenizer (257 ids) and a vocabulary of 260: quick to convert on 16 tokens.
+SMALL_VOCAB = 260
+FEW = ("--tokens", "16")
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``folder`` (subfolders included)."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def byte_tokenizer(folder: Path, offset: int = 0) -> Path:
+    """A byte-level tokenizer of 257 ids (256 bytes and ``<|endoftext|>``), saved into ``folder``; its ids
+    start at ``offset`` (a tokenizer of another model, whose ids the small models do not have)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: offset + i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = offset + len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(folder)
+    return folder
+
+
+def small_model(folder: Path, *, seed: int = 0, vocab: int = SMALL_VOCAB, shard: str | None = None) -> Path:
+    model = make_tiny_model("llama", vocab_size=vocab, tie_word_embeddings=False, seed=seed)
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    return byte_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    return small_model(tmp_path_factory.mktemp("small") / "model", shard="40KB")
+
+
+@pytest.fixture(scope="module")
+def small_other(tmp_path_factory) -> Path:
+    """The same shape with other weights: the previous checkpoint an --overwrite replaces."""
+    return small_model(tmp_path_factory.mktemp("small-other") / "model", seed=1, shard="40KB")
+
+
+STREAMED = ("--max-memory", "64KB")
+
+
+@pytest.fixture(autouse=True)
+def _no_collect(monkeypatch):
+    """The streamed path collects garbage after every tensor (``release_memory``): 0.7 s each in a test
+    process holding every earlier test's objects. It frees memory and changes no byte; skipped here."""
+    import normswap.stream.convert as stream_convert
+
+    monkeypatch.setattr(stream_convert, "release_memory", lambda: None)
+
+
+@pytest.fixture(scope="module")
+def previous(small_other, tmp_path_factory) -> dict[tuple, Path]:
+    """A complete earlier output of normswap of ``small_other``, in memory and streamed (copied per test)."""
+    import normswap.stream.convert as stream_convert
+
+    folders = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stream_convert, "release_memory", lambda: None)  # as _no_collect
+        for streamed in ((), STREAMED):
+            out = tmp_path_factory.mktemp("previous") / "out"
+            result = run("convert", small_other, "--output", out, *FEW, *streamed)
+            assert result.exit_code == 0, result.output
+            folders[streamed] = out
+    return folders
+
+
+def previous_output(previous: dict, out: Path, streamed=()) -> dict[str, str]:
+    """Copy the earlier output into ``out`` (bytes and sizes kept: still normswap's); its files' digests."""
+    shutil.copytree(previous[tuple(streamed)], out)
+    return digests(out)
+
+
+@pytest.mark.parametrize("where", ["dot", "absolute"])
+def test_c26_overwrite_never_replaces_a_folder_normswap_did_not_write(small, tmp_path, monkeypatch, where):
+    """C26: `--output . --overwrite` from a project folder deleted the project (and then exited 2, "not a
+    model directory"); with its absolute path it exited 0. Now exit 2, one line naming it and what is in it,
+    the folder byte-identical, nothing hidden left beside it."""
+    proj = tmp_path / "proj"
+    (proj / "src").mkdir(parents=True)
+    (proj / "notes.txt").write_text("my notes\n")
+    (proj / "src" / "train.py").write_text("print('train')\n")
+    before, src_before = tree(proj), tree(small)
+    if where == "dot":
+        monkeypatch.chdir(proj)
+    output = "." if where == "dot" else proj
+    result = run("convert", small, "--output", output, "--overwrite", *FEW)
+    assert_one_line(result, 2, f"output directory {proj} is not a normswap output", "notes.txt, src/",
+                    "--overwrite replaces only a directory that normswap wrote or an empty one")  # fmt: skip
+    assert tree(proj) == before and tree(small) == src_before
+    assert hidden(tmp_path) == [] and hidden(proj) == []
+
+
+def test_c26_overwrite_replaces_an_empty_folder_or_an_earlier_output_only(small, previous, tmp_path):
+    """The same kind: an empty folder and an earlier output are replaced; an earlier output to which a file
+    was added, or whose file changed size, is refused in one line naming the file, and left as it is."""
+    (tmp_path / "empty").mkdir()
+    assert run("convert", small, "--output", tmp_path / "empty", "--overwrite", *FEW).exit_code == 0
+    out = tmp_path / "out"
+    previous_output(previous, out)
+    assert run("convert", small, "--output", out, "--overwrite", *FEW).exit_code == 0
+    (out / "my-notes.md").write_text("mine\n")
+    before = digests(out)
+    assert_one_line(run("convert", small, "--output", out, "--overwrite", *FEW), 2,
+                    "holds what normswap did not write: my-notes.md")  # fmt: skip
+    assert digests(out) == before
+    (out / "my-notes.md").unlink()
+    with open(out / "config.json", "a") as f:
+        f.write("\n")
+    assert_one_line(run("convert", small, "--output", out, "--overwrite", *FEW), 2,
+                    "holds files changed since normswap wrote them: config.json")  # fmt: skip
+    assert hidden(tmp_path) == []
+
+
+def test_c26_dot_inside_an_earlier_output_is_replaced(small, previous, tmp_path, monkeypatch):
+    """`--output . --overwrite` from inside an earlier output replaces it (the working directory moves with
+    the exchange); a relative --report is still written where it was asked for."""
+    out = tmp_path / "out"
+    previous_output(previous, out)
+    monkeypatch.chdir(out)
+    result = run("convert", small, "--output", ".", "--overwrite", "--report", "../r.json", *FEW)
+    assert result.exit_code == 0, result.output
+    assert strict_json(tmp_path / "r.json")["verify"]["passed"] and hidden(tmp_path) == []
+    assert strict_json(out / "normswap.json")["model"] == str(small)
+
+
+@pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
+def test_c27_failed_verification_keeps_the_previous_output(small, previous, tmp_path, monkeypatch, streamed):
+    """C27: a failed fresh-load verification exited 1 "nothing saved" with the previous output already
+    deleted. Now the new output is verified beside OUT and replaces it only when it passed: exit 1, OUT
+    byte-identical to the previous checkpoint, the report says why."""
+    import normswap.io.verify as io_verify
+    import normswap.stream.convert as stream_convert
+
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    before = previous_output(previous, out, streamed)
+    target, name = (stream_convert, "verify_streamed") if streamed else (io_verify, "verify_saved")
+    real = getattr(target, name)
+
+    def failing(*args, **kwargs):
+        result = real(*args, **kwargs)
+        assert result.passed  # the real result, marked failed
+        result.passed, result.failures = False, ["injected failure"]
+        return result
+
+    monkeypatch.setattr(target, name, failing)
+    result = run("convert", small, "--output", out, "--overwrite", "--report", report, *FEW, *streamed)
+    assert result.exit_code == 1, result.output
+    assert "verification of the saved checkpoint FAILED; nothing saved" in result.stderr
+    assert digests(out) == before and hidden(tmp_path) == []
+    data = strict_json(report)
+    assert data["saved"] is False and data["verify"]["failures"] == ["injected failure"]
+    assert data["verify"]["path"] == str(out)
+
+
+@pytest.mark.parametrize(
+    "streamed, stage, error",
+    [
+        ((), "written", KeyboardInterrupt),
+        (STREAMED, "finished", KeyboardInterrupt),
+        ((), "weights", "full"),
+        (STREAMED, "shard", "full"),
+    ],  # fmt: skip
+)
+def test_interrupt_or_full_disk_at_a_stage_keeps_the_previous_output(small, previous, tmp_path, monkeypatch,
+                                                                     streamed, stage, error):  # fmt: skip
+    """Ctrl-C after the new output is written or its manifest finished, a full disk while the weights are
+    written: exit 130 or 2 (one line), OUT byte-identical to the previous checkpoint, nothing hidden left."""
+    from normswap.io import staging
+
+    out = tmp_path / "out"
+    before = previous_output(previous, out, streamed)
+
+    def stop(name):
+        if name == stage:
+            raise KeyboardInterrupt if error is KeyboardInterrupt else OSError(28, "No space left on device")
+
+    monkeypatch.setattr(staging, "at_stage", stop)
+    result = run("convert", small, "--output", out, "--overwrite", *FEW, *streamed)
+    if error is KeyboardInterrupt:
+        assert result.exit_code == 130, result.output
+    else:
+        assert_one_line(result, 2, f"cannot write {out}: no space left on device")
+    assert digests(out) == before and hidden(tmp_path) == []
+
+
+# Killing a run at every stage of an --overwrite convert. The run is a forked copy of this process (torch is
+# imported once), limited to one thread (no OpenMP pool is used after the fork), that SIGKILLs itself when
+# the save reaches the stage (``normswap.io.staging.at_stage``, a hook that does nothing otherwise).
+MEMORY_STAGES = ["staged", "weights", "written", "verified", "finished", "exchanged", "removed"]
+STREAMED_STAGES = ["staged", "shard", "written", "verified", "finished", "exchanged", "removed"]
+
+
+def _killed_run(args, stage: str, no_exchange: bool) -> None:
+    from normswap.io import staging
+
+    torch.set_num_threads(1)
+
+    def die(name):
+        if name == stage:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    staging.at_stage = die
+    if no_exchange:
+        staging._exchange = lambda a, b: False
+    result = CliRunner().invoke(main, args)
+    os._exit(10 + result.exit_code)  # reached only when the stage never came
+
+
+def _kill_at(args, stage: str, no_exchange: bool = False) -> None:
+    proc = FORK.Process(target=_killed_run, args=(args, stage, no_exchange))
+    proc.start()
+    proc.join(300)
+    assert proc.exitcode == -signal.SIGKILL, (stage, proc.exitcode)
+
+
+def _same_new_output(out: Path, reference: Path) -> bool:
+    """``out`` is the verified new checkpoint: every file as in a complete run, its manifest says verified."""
+    have, want = digests(out), digests(reference)
+    have.pop("normswap.json"), want.pop("normswap.json")
+    manifest, expected = strict_json(out / "normswap.json"), strict_json(reference / "normswap.json")
+    return have == want and manifest["verify"]["passed"] and manifest["sites"] == expected["sites"]
+
+
+@pytest.mark.parametrize(
+    "streamed, stages",
+    [((), MEMORY_STAGES), (STREAMED, STREAMED_STAGES), ((), ["finished", "aside"])],
+    ids=["memory", "streamed", "no-exchange"],
+)
+def test_killed_at_every_stage_leaves_one_complete_checkpoint(small, previous, tmp_path, streamed, stages):
+    """SIGKILL at each stage of `convert --overwrite`: OUT is byte for byte the previous checkpoint (up to the
+    exchange) or the verified new one (after it), and stays so when the next save to OUT clears what the
+    killed run left (or, where paths cannot be exchanged in one step, renames the previous checkpoint
+    back). The third row exchanges by two renames (as off Linux) and is killed between them."""
+    from normswap.io.staging import Staging
+
+    reference = tmp_path / "reference"
+    assert run("convert", small, "--output", reference, *FEW, *streamed).exit_code == 0
+    out = tmp_path / "out"
+    args = ["convert", str(small), "--output", str(out), "--overwrite", *FEW, *streamed]
+    for stage in stages:
+        shutil.rmtree(out, ignore_errors=True)
+        before = previous_output(previous, out, streamed)
+        _kill_at(args, stage, no_exchange="aside" in stages)
+        if stage == "aside":  # killed between the two renames: OUT is missing until the next save
+            assert not out.exists() and any(n.endswith(".old") for n in hidden(tmp_path)), stage
+        elif stage in ("exchanged", "removed"):
+            assert _same_new_output(out, reference), stage
+        else:
+            assert digests(out) == before, stage
+        with Staging(out, overwrite=True):  # what the next save does first, under the lock
+            pass
+        assert hidden(tmp_path) == [], stage
+        new = stage in ("exchanged", "removed")
+        assert _same_new_output(out, reference) if new else digests(out) == before, stage
+    result = run(*args)
+    assert result.exit_code == 0 and _same_new_output(out, reference) and hidden(tmp_path) == []
+
+
+# -- C30: token ids outside the vocabulary ----------------------------------------------------------------
+def no_forward(monkeypatch):
+    """From here on, any forward of a Llama fails the test: the refusals below come before a model runs."""
+    from transformers import LlamaForCausalLM
+
+    def ran(*args, **kwargs):
+        raise AssertionError("a model ran before the input was checked")
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", ran)
+
+
+def _largest_id(tokenizer_dir: Path, tokens: int = 16) -> int:
+    from transformers import AutoTokenizer
+
+    from normswap.check import default_input_ids
+
+    return int(default_input_ids(AutoTokenizer.from_pretrained(tokenizer_dir), tokens).max())
+
+
+@pytest.mark.parametrize("case", ["A-tokenizer", "B-streamed", "C-own-tokenizer", "D-eval", "E-check"])
+def test_c30_ids_beyond_the_vocabulary_are_refused_before_any_model_runs(small, tmp_path, monkeypatch, case):
+    """C30: ids of another tokenizer (a wrong --tokenizer; a directory whose own tokenizer has more ids
+    than vocab_size) ended in an IndexError traceback in convert, streamed convert and eval. Now exit 2,
+    one line naming the largest id and the vocabulary size; nothing written, the input unchanged."""
+    other = byte_tokenizer(tmp_path / "other-tokenizer", offset=30000)  # ids 30000-30256: beyond 260
+    if case.startswith(("C", "D", "E")):
+        model = small_model(tmp_path / "own", vocab=200)  # its byte tokenizer has 257 ids
+        vocab, largest = 200, _largest_id(model)
+    else:
+        model, vocab, largest = small, SMALL_VOCAB, _largest_id(other)
+    assert largest >= vocab
+    before = tree(model)
+    no_forward(monkeypatch)
+    out = tmp_path / "out"
+    args = {
+        "A-tokenizer": ["convert", model, "--output", out, "--tokenizer", other, *FEW],
+        "B-streamed": ["convert", model, "--output", out, "--tokenizer", other, *FEW, *STREAMED],
+        "C-own-tokenizer": ["convert", model, "--output", out, *FEW],
+        "D-eval": ["eval", "--model", model, "--converted", model, "--max-tokens", 16, "--window", 16],
+        "E-check": ["check", model, model, *FEW],
+    }[case]
+    assert_one_line(run(*args), 2, f"gives token id {largest}, beyond", f"(vocab_size {vocab})")
+    assert not out.exists() and tree(model) == before and hidden(tmp_path) == []
+
+
+# -- C28: tensors that transformers ignores on load -------------------------------------------------------
+def _mtp_tensors(config, seed: int = 3) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's multi-token-prediction tensors, named as it ships them (layer 61 of a 61-layer model)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, vocab = config.hidden_size, config.vocab_size
+    shapes = {
+        "model.layers.61.enorm.weight": (hidden,),
+        "model.layers.61.hnorm.weight": (hidden,),
+        "model.layers.61.eh_proj.weight": (hidden, 2 * hidden),
+        "model.layers.61.shared_head.norm.weight": (hidden,),
+        "model.layers.61.shared_head.head.weight": (vocab, hidden),
+        "model.layers.61.embed_tokens.weight": (vocab, hidden),
+    }
+    return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+
+
+def deepseek_with_mtp(folder: Path, **overrides) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A tiny DeepSeek-V3 in two shards, plus a third shard of MTP tensors listed in the index."""
+    model = make_tiny_model("deepseek_v3", tie_word_embeddings=False, vocab_size=SMALL_VOCAB, **overrides)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(folder, max_shard_size=size * 3 // 4)
+    byte_tokenizer(folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2
+    mtp = _mtp_tensors(model.config)
+    save_file(mtp, folder / "model-mtp.safetensors", metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(mtp, "model-mtp.safetensors"))
+    index["metadata"]["total_size"] += sum(t.numel() * 4 for t in mtp.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return model, mtp
+
+
+@pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
+def test_c28_tensors_the_loader_skips_reach_the_output(tmp_path, streamed):
+    """C28: DeepSeek-V3's MTP layer (transformers skips model.layers.61.* on load) was silently dropped.
+    Now every input tensor reaches the output, bit for bit; the report and the summary list them; the final
+    norm, whose output they may read, stays unfolded; the output is verified and reloads in transformers
+    within 1e-5 of the original. In memory the tiny model has routed experts (transformers stacks them as it
+    loads and writes them back per expert: not taken for skipped tensors); streamed, all layers are dense
+    (streaming refuses stacked experts)."""
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "src"
+    overrides = {"first_k_dense_replace": 2} if streamed else {}
+    model, mtp = deepseek_with_mtp(src, **overrides)
+    before = tree(src)
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    result = run("convert", src, "--output", out, "--report", report, *FEW, *streamed)
+    assert result.exit_code == 0, result.output
+    assert "carried:  6 tensors the model class does not run" in result.stdout
+    assert "model.norm kept unfolded" in result.stdout
+    data = strict_json(report)
+    assert ("streamed" in data) == bool(streamed)
+    assert sorted(data["carried"]["tensors"]) == sorted(mtp) and data["verify"]["passed"]
+    assert data["carried"]["norms_kept_unfolded"] == ["model.norm"]
+    final = next(s for s in data["sites"] if s["name"] == "model.norm")
+    assert not final["folded"] and "kept unfolded" in final["reason"]
+    saved = tensors_of(out)
+    assert set(tensors_of(src)) <= set(saved)  # every input tensor, by name
+    index = json.loads((out / "model.safetensors.index.json").read_text())  # lists every file and byte
+    assert set(index["weight_map"]) == set(saved)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in saved.values())
+    for name, tensor in mtp.items():
+        assert torch.equal(saved[name], tensor), name  # unchanged, bit for bit
+    assert torch.equal(saved["model.norm.weight"], model.model.norm.weight.detach())
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, SMALL_VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (reloaded(ids).logits - model(ids).logits).abs().max().item()
+    assert diff < 1e-5
+    assert tree(src) == before
+
+
+def test_c28_centering_refuses_a_checkpoint_with_skipped_tensors(tmp_path):
+    """Centering (--norm rmsnorm) changes the embeddings and the residual stream the MTP tensors read:
+    refused in one line naming them, before anything is written."""
+    src = tmp_path / "src"
+    deepseek_with_mtp(src)
+    before = tree(src)
+    result = run("convert", src, "--output", tmp_path / "out", "--norm", "rmsnorm", *FEW)
+    assert_one_line(result, 2, "6 tensors the model class does not run", "model.layers.61.",
+                    "that --norm rmsnorm changes")  # fmt: skip
+    assert tree(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    from normswap.stream.shards import CheckpointReader
+
+    reader = CheckpointReader(folder)
+    return {name: reader.read(name) for name in reader.tensors}
+
+
+# -- C29: --max-memory with --trust-remote-code -----------------------------------------------------------
+REMOTE_FILES = {
+    "configuration_tiny_remote.py": (
+        "from transformers import LlamaConfig\n\n\n"
+        "class TinyRemoteConfig(LlamaConfig):\n"
+        '    model_type = "tiny_remote"\n'
+    ),
+    "modeling_tiny_remote.py": (
+        "from transformers import LlamaForCausalLM\n\n"
+        "from .configuration_tiny_remote import TinyRemoteConfig\n\n\n"
+        "class TinyRemoteForCausalLM(LlamaForCausalLM):\n"
+        "    config_class = TinyRemoteConfig\n"
+    ),
+}
+
+
+def remote_model(folder: Path) -> Path:
+    """The small Llama as a model with its own code: configuration and modeling files named by auto_map."""
+    small_model(folder)
+    for name, text in REMOTE_FILES.items():
+        (folder / name).write_text(text)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {
+        "model_type": "tiny_remote",
+        "architectures": ["TinyRemoteForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+            "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM",
+        },
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("budget", ["10GiB", "64KB"], ids=["A-fits", "B-streamed"])
+def test_c29_remote_code_with_max_memory(tmp_path, budget):
+    """C29: the streamed opener looked the config class up in transformers' Auto mapping (a KeyError
+    traceback, even for a model that fits). Now (A) converts in memory as without --max-memory, (B)
+    streams: the output holds the model's code, reloads in plain transformers within 1e-5 of the original,
+    and is verified."""
+    from transformers import AutoModelForCausalLM
+
+    src = remote_model(tmp_path / "src")
+    before = tree(src)
+    out, plain = tmp_path / "out", tmp_path / "plain"
+    result = run("convert", src, "--output", out, "--trust-remote-code", "--max-memory", budget, *FEW)
+    assert result.exit_code == 0, result.output
+    data = strict_json(out / "normswap.json")
+    assert data["verify"]["passed"] and data["architecture"] == "TinyRemoteForCausalLM"
+    assert ("streamed" in data) == (budget == "64KB")
+    if budget == "10GiB":
+        assert run("convert", src, "--output", plain, "--trust-remote-code", *FEW).exit_code == 0
+        assert tensors_of(out).keys() == tensors_of(plain).keys()
+        assert all(torch.equal(tensors_of(out)[k], t) for k, t in tensors_of(plain).items())
+    original = AutoModelForCausalLM.from_pretrained(src, trust_remote_code=True).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(reloaded).__name__ == "TinyRemoteForCausalLM"
+    ids = torch.randint(0, SMALL_VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (reloaded(ids).logits - original(ids).logits).abs().max().item() < 1e-5
+    assert tree(src) == before
+
+
+def test_c28_same_kind_qwen3_next_mtp_and_the_python_api(tmp_path):
+    """The same kind through the Python API, on Qwen3-Next's `mtp.*` tensors: save_converted with the input
+    path carries them when the final norm was kept unfolded, and refuses in one line when it was folded."""
+    from normswap.io import carry, load_model, report_dict
+    from normswap.walk import walk
+
+    src = tmp_path / "src"
+    model = make_tiny_model("qwen3_next", vocab_size=SMALL_VOCAB, tie_word_embeddings=False)
+    model.save_pretrained(src)
+    gen = torch.Generator().manual_seed(4)
+    mtp = {
+        "mtp.fc.weight": torch.randn(64, 128, generator=gen),
+        "mtp.norm.weight": torch.randn(64, generator=gen),
+    }
+    save_file(mtp, src / "mtp.safetensors", metadata={"format": "pt"})
+    (src / "model.safetensors").rename(src / "model-00001.safetensors")
+    weight_map = dict.fromkeys(load_file(src / "model-00001.safetensors"), "model-00001.safetensors")
+    index = {"metadata": {}, "weight_map": weight_map | dict.fromkeys(mtp, "mtp.safetensors")}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    ids = torch.randint(0, SMALL_VOCAB, (1, 16), generator=gen)
+
+    loaded = load_model(src)
+    assert carry.gather(loaded.info, loaded.model).skipped == list(mtp)
+    folded = normswap.convert(loaded.model, input_ids=ids)
+    with pytest.raises(
+        NormswapError, match="2 tensors the model class does not run .* model.norm, folded here"
+    ):
+        save_converted(loaded.model, None, report_dict(folded, loaded.info), tmp_path / "out", input_path=src)
+    assert not (tmp_path / "out").exists()
+
+    loaded = load_model(src)
+    traced = walk(loaded.model, ids)
+    assert carry.keep_final_norms(loaded.model, traced.sites, list(mtp)) == ["model.norm"]
+    report = normswap.convert(loaded.model, input_ids=ids, traced=traced)
+    out = save_converted(
+        loaded.model, None, report_dict(report, loaded.info), tmp_path / "out", input_path=src
+    )
+    saved = tensors_of(out)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in mtp.items())
+
+
+def test_c28_bin_checkpoint_tensors_reach_the_output(tmp_path):
+    """The same kind in a PyTorch .bin checkpoint: its MTP tensors are read from the .bin file (memory-mapped)
+    and reach the (safetensors) output unchanged."""
+    src = tmp_path / "src"
+    model, mtp = deepseek_with_mtp(tmp_path / "safetensors")
+    src.mkdir()
+    shutil.copy(tmp_path / "safetensors" / "config.json", src)
+    byte_tokenizer(src)
+    torch.save(model.state_dict() | mtp, src / "pytorch_model.bin")
+    out = tmp_path / "out"
+    result = run("convert", src, "--output", out, *FEW)
+    assert result.exit_code == 0, result.output
+    saved = tensors_of(out)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in mtp.items())
+
+
+@pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
+def test_stale_rotary_buffers_are_carried_and_the_final_norm_still_folds(small, tmp_path, streamed):
+    """An old checkpoint's per-layer `rotary_emb.inv_freq` (transformers drops it by its generic rule; the
+    class computes it itself): carried over like every input tensor, but it reads no hidden state, so every
+    norm folds as without it."""
+    src = Path(shutil.copytree(small, tmp_path / "src"))
+    name = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    shard = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]["model.norm.weight"]
+    rewrite = load_file(src / shard) | {name: torch.arange(8, dtype=torch.float32)}
+    save_file(rewrite, src / shard, metadata={"format": "pt"})
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"][name] = shard
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "out"
+    result = run("convert", src, "--output", out, *FEW, *streamed)
+    assert result.exit_code == 0, result.output
+    data = strict_json(out / "normswap.json")
+    assert data["carried"]["tensors"] == [name] and data["carried"]["norms_kept_unfolded"] == []
+    assert data["norms_folded"] == data["norms_found"] == 5
+    assert torch.equal(tensors_of(out)[name], torch.arange(8, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
+def test_model_card_and_licence_files_are_copied(small, tmp_path, streamed):
+    """The model card and licence files beside the weights reach the output byte for byte; one larger than
+    the limit is named, not copied; the output is still an earlier normswap output for --overwrite."""
+    from normswap.io.carry import DOC_LIMIT
+
+    src = Path(shutil.copytree(small, tmp_path / "src"))
+    (src / "README.md").write_text("# Tiny model\nA model card.\n")
+    (src / "LICENSE").write_text("Permission is granted ...\n")
+    (src / "NOTICE-data.txt").write_bytes(b"x" * (DOC_LIMIT + 1))
+    out = tmp_path / "out"
+    result = run("convert", src, "--output", out, *FEW, *streamed)
+    assert result.exit_code == 0, result.output
+    assert (out / "README.md").read_bytes() == (src / "README.md").read_bytes()
+    assert (out / "LICENSE").read_bytes() == (src / "LICENSE").read_bytes()
+    assert not (out / "NOTICE-data.txt").exists()
+    assert "copied:   LICENSE, README.md (model card and licence files); not copied: NOTICE-data.txt" in (
+        result.stdout
+    )
+    carried = strict_json(out / "normswap.json")["carried"]
+    assert carried["files"] == ["LICENSE", "README.md"] and carried["tensors"] == []
+    assert run("convert", src, "--output", out, "--overwrite", *FEW, *streamed).exit_code == 0
+
+
+def test_api_failed_verification_keeps_the_previous_output(small, previous, tmp_path):
+    """save_converted(..., expected=...) verifies beside the output: a failure raises one line and leaves
+    the previous checkpoint byte for byte."""
+    from normswap.io import load_model, record_expected, report_dict
+
+    out = tmp_path / "out"
+    before = previous_output(previous, out)
+    loaded = load_model(small)
+    ids = torch.randint(0, SMALL_VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    report = report_dict(normswap.convert(loaded.model, input_ids=ids), loaded.info)
+    expected = record_expected(loaded.model, ids)
+    expected.outputs = expected.outputs + 1  # the saved copy cannot reproduce these
+    with pytest.raises(
+        NormswapError, match=r"verification of the checkpoint for .* failed .* left as it was"
+    ):
+        save_converted(loaded.model, None, report, out, overwrite=True, expected=expected)
+    assert digests(out) == before and hidden(tmp_path) == []
+    assert not report["verify"]["passed"] and report["verify"]["path"] == str(out)
+    expected = record_expected(loaded.model, ids)
+    save_converted(loaded.model, None, report, out, overwrite=True, expected=expected)
+    assert strict_json(out / "normswap.json")["verify"]["passed"]

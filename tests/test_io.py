@@ -411,7 +411,11 @@ def test_save_roundtrip_plain_transformers(model_type, tmp_path, input_ids):
     model = make_tiny_model(model_type)
     expected = _outputs(model, input_ids)
     out = save_converted(model, None, _report(kind=model_type), tmp_path / "out")
-    assert json.loads((out / "normswap.json").read_text()) == _report(kind=model_type)
+    manifest = json.loads((out / "normswap.json").read_text())
+    marker = manifest.pop("output")  # what normswap wrote, so that overwrite=True may replace it later
+    assert manifest == _report(kind=model_type)
+    assert marker == {"written_by": "normswap", "files": {p.name: p.stat().st_size for p in out.iterdir()
+                                                          if p.name != "normswap.json"}}  # fmt: skip
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     auto = AutoModel if model_type == "bert" else AutoModelForCausalLM
     reloaded = auto.from_pretrained(out).eval()
@@ -513,6 +517,7 @@ def test_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_overwrite_guard(tmp_path):
+    """overwrite=True replaces an empty directory or an earlier normswap output, never anything else."""
     model = make_tiny_model("llama")
     out = tmp_path / "out"
     out.mkdir()
@@ -520,17 +525,22 @@ def test_overwrite_guard(tmp_path):
     with pytest.raises(NormswapError, match="already exists; pass overwrite=True") as error:
         save_converted(model, None, _report(), out)
     _one_line(error)
+    with pytest.raises(NormswapError, match="is not a normswap output .* holds keep.txt;") as error:
+        save_converted(model, None, _report(), out, overwrite=True)
+    _one_line(error)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    save_converted(model, None, _report(), out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "normswap.json").is_file()
+    (out / "keep.txt").unlink()
+    save_converted(model, None, _report(run=1), out, overwrite=True)  # empty: replaced
+    save_converted(model, None, _report(run=2), out, overwrite=True)  # its own output: replaced
+    assert json.loads((out / "normswap.json").read_text())["run"] == 2
     assert _leftovers(tmp_path) == []
 
 
 def test_failed_overwrite_keeps_old_output(tmp_path, monkeypatch):
     model = make_tiny_model("llama")
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    save_converted(model, None, _report(run="old"), out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     def failing(self, path, **kwargs):
         raise OSError(5, "I/O error")
@@ -538,7 +548,7 @@ def test_failed_overwrite_keeps_old_output(tmp_path, monkeypatch):
     monkeypatch.setattr(type(model), "save_pretrained", failing)
     with pytest.raises(NormswapError, match="I/O error"):
         save_converted(model, None, _report(), out, overwrite=True)
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert _leftovers(tmp_path) == []
 
 
@@ -624,9 +634,9 @@ def test_fetch_and_load_smollm2():
 
 def test_overwrite_without_atomic_exchange(tmp_path, monkeypatch):
     """Where paths cannot be exchanged in one step (not Linux), the old output is renamed aside first."""
-    import normswap.io.save as save_module
+    import normswap.io.staging as staging
 
-    monkeypatch.setattr(save_module, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(staging, "_exchange", lambda a, b: False)
     model = make_tiny_model("llama")
     out = tmp_path / "out"
     save_converted(model, None, _report(run=1), out)

@@ -161,11 +161,15 @@ def test_walk_of_streamed_model_releases_weights(tokenizer, tmp_path):
 
 
 def test_model_that_fits_runs_in_memory(tokenizer, tmp_path):
+    """In memory, save_pretrained writes shards no larger than the input's largest one."""
     src = save_sharded(make_tiny_model("llama"), tokenizer, tmp_path / "src")
     r = run("convert", src, "--output", tmp_path / "out", "--tokens", TOKENS, "--max-memory", "1GiB")
     assert r.exit_code == 0, r.output
-    assert (tmp_path / "out" / "model.safetensors").is_file()  # save_pretrained's single file
     assert "streamed" not in json.loads((tmp_path / "out" / "normswap.json").read_text())
+    largest = max((src / f).stat().st_size for f in CheckpointReader(src).files)
+    out = CheckpointReader(tmp_path / "out")
+    assert out.sharded and len(out.files) > 2
+    assert all((tmp_path / "out" / f).stat().st_size <= largest + 4096 for f in out.files)  # + its header
 
 
 def _one_error_line(result, *fragments):
@@ -275,19 +279,19 @@ def test_output_changed_after_the_check_fails_verification(tokenizer, tmp_path, 
     """Bytes of a shard changed between the check and the verification: the digest and the logits of the
     fresh streamed load both differ from what was checked."""
     src = save_sharded(make_tiny_model("llama"), tokenizer, tmp_path / "src")
-    from normswap.io import save
+    from normswap.io import staging
 
-    real_replace = save._replace_dir
-
-    def replace_then_corrupt(built, out, overwrite):
-        real_replace(built, out, overwrite)
-        reader = CheckpointReader(out)
+    def corrupt(stage):
+        if stage != "written":
+            return
+        built = next(tmp_path.glob(".out.*.partial"))
+        reader = CheckpointReader(built)
         info = reader.tensors[CORRUPTED]
-        with open(out / info.file, "r+b") as f:  # the first element becomes 1e3
+        with open(built / info.file, "r+b") as f:  # the first element becomes 1e3
             f.seek(info.start)
             f.write(torch.tensor([1e3], dtype=torch.float32).view(torch.uint8).numpy().tobytes())
 
-    monkeypatch.setattr(save, "_replace_dir", replace_then_corrupt)
+    monkeypatch.setattr(staging, "at_stage", corrupt)
     out = tmp_path / "out"
     r = run("convert", src, "--output", out, "--tokens", TOKENS, "--max-memory", "4KB")
     assert r.exit_code == 1 and "nothing saved" in r.stderr

@@ -140,7 +140,7 @@ def run(
     check_kernel_args(device, dtypes, backends)
     if model and torch.device(device).type != "cpu":
         raise ValueError(f"the model-level timing runs on the CPU only; drop --device {device} with --model")
-    check_output_dir(out_dir, [model] if model else [], overwrite=True)  # may exist; never in the model
+    check_output_dir(out_dir, [model] if model else [], overwrite=True, write_into=True)  # never in the model
     if model:
         from normswap.io.load import resolve
 

@@ -69,6 +69,7 @@ def check_command(
     from normswap.check.inputs import (
         check_positions,
         check_same_model,
+        check_vocabulary,
         command_input_ids,
         default_tokens,
         signal_check_inputs,
@@ -103,6 +104,9 @@ def check_command(
         count = input_ids.shape[1]
         what = f"--tokens {count}" + (f" + --greedy {greedy}" if greedy else "")
         check_positions(count + greedy, what, {original: model.config, converted: converted_config})
+        text = "--text" if text_file is not None else "the check text"
+        check_vocabulary(int(input_ids.max()), {original: model.config, converted: converted_config},
+                         f"the tokenizer of {original} on {text}")  # fmt: skip
     sites = _manifest_sites(converted)
     names = {name for name, _ in model.named_modules()}
     if sites and not all(site.name in names for site in sites):

@@ -7,6 +7,7 @@ one line and exit code 2 before any forward pass, never an ``IndexError`` from i
   ``max_position_embeddings`` (learned position tables such as GPT-2's ``n_positions`` end there);
 * :func:`command_input_ids`: the check's default text ids for ``--tokens``, within that limit;
 * :func:`text_ids`: a user's text, refused when it gives fewer tokens than asked for;
+* :func:`check_vocabulary`: token ids beyond the model's vocabulary (a tokenizer of another model);
 * :func:`check_same_model`: two models that differ in kind, vocabulary or shape.
 
 The messages name the command's options (``what``), as the caller passes them.
@@ -54,6 +55,32 @@ def vocabulary_size(config, source="the model") -> int:
     return vocab
 
 
+def check_vocabulary(largest: int, models: dict, what: str) -> None:
+    """Refuse a token id that is not in the vocabulary of any of ``models`` (name -> config): the embedding
+    lookup would fail (``IndexError``) or, on a GPU, read out of bounds.
+
+    Args:
+        largest: the largest token id the command would feed the models.
+        models: name -> config (its text config's ``vocab_size`` counts; a config without one is skipped).
+        what: where the ids come from, for the message (``"the tokenizer X on the check text"``).
+
+    Raises:
+        NormswapError: ``"{what} gives token id 30521, beyond {name}'s vocabulary (vocab_size 260); ..."``.
+    """
+    for name, config in models.items():
+        vocab = getattr(_text_config(config), "vocab_size", None)
+        if isinstance(vocab, int) and largest >= vocab:
+            raise NormswapError(
+                f"{what} gives token id {largest}, beyond {name}'s vocabulary (vocab_size {vocab}): the "
+                "tokenizer does not match the model; use the model's own tokenizer"
+            )
+
+
+def _tokenizer_name(tokenizer, source) -> str:
+    name = getattr(tokenizer, "name_or_path", None) or source
+    return f"the tokenizer {name}"
+
+
 def default_tokens(config, reserve: int = 0) -> int:
     """``min(512, limit - reserve)`` (at least 2): the tokens a command takes when not told."""
     limit = position_limit(config)
@@ -73,7 +100,8 @@ def command_input_ids(source, model_config, tokenizer, tokens: int | None, *, re
             option that asks for them (named in a refusal).
 
     Raises:
-        NormswapError: ``T + reserve`` beyond the limit; a tokenizer that gives too few or degenerate ids.
+        NormswapError: ``T + reserve`` beyond the limit; a tokenizer that gives too few or degenerate ids,
+            or ids beyond the model's vocabulary (``check_vocabulary``).
     """
     from normswap.check.text import default_input_ids
 
@@ -89,9 +117,12 @@ def command_input_ids(source, model_config, tokenizer, tokens: int | None, *, re
 
         return vocabulary_ids(vocabulary_size(model_config, source), tokens, seed=VOCABULARY_SEED)
     try:
-        return default_input_ids(tokenizer, tokens)
+        ids = default_input_ids(tokenizer, tokens)
     except ValueError as error:
         raise NormswapError(f"{source}: {error}") from error
+    what = f"{_tokenizer_name(tokenizer, source)} on the check text"
+    check_vocabulary(int(ids.max()), {source: model_config}, what)
+    return ids
 
 
 def signal_check_inputs(source, model, tokens: int | None):

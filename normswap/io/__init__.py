@@ -1,7 +1,10 @@
 """Model I/O: resolve and load MODEL arguments, fetch short-name models, save and reload checkpoints.
 
 * ``load_model(source, dtype=..., trust_remote_code=...)`` -> ``LoadedModel(model, tokenizer, info)``
-* ``save_converted(model, tokenizer, report, out_dir, overwrite=False)`` (atomic)
+* ``save_converted(model, tokenizer, report, out_dir, overwrite=False)``: written beside ``out_dir``, (with
+  ``expected=``) verified there, then exchanged with it in one step (``normswap.io.staging``);
+  ``save_and_verify``: the same as ``normswap convert`` runs it (model freed before the fresh load, input
+  tensors the model class does not run carried over, ``normswap.io.carry``)
 * ``load_pretrained(path)`` -> model with normswap's fused norms in place
 * ``write_json(path, data)`` / ``write_text(path, text)``: atomic, strict JSON (``normswap.io.files``)
 * ``record_expected(model, input_ids)`` before saving, ``verify_saved(path, expected)`` after: a fresh load
@@ -29,6 +32,7 @@ from normswap.io.save import (
     plain_float_checkpoint,
     read_manifest,
     report_dict,
+    save_and_verify,
     save_converted,
 )
 from normswap.io.shortnames import SHORT_MODELS, cache_dir, fetch
@@ -60,6 +64,7 @@ __all__ = [
     "read_manifest",
     "report_dict",
     "resolve",
+    "save_and_verify",
     "save_converted",
     "to_json",
     "write_json",

@@ -11,15 +11,9 @@ folded norms at their identity weights.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
-import functools
 import json
 import logging
 import os
-import re
-import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,13 +21,12 @@ from typing import Any
 import torch
 
 from normswap.errors import NormswapError
-from normswap.io import files, shortnames
+from normswap.io import files, shortnames, staging
 from normswap.io.adapters import plain_manifest
 from normswap.io.load import ModelInfo, auto_class_name, load_config, load_weights, resolve, torch_dtype
+from normswap.io.staging import MANIFEST, Staging
 
 log = logging.getLogger(__name__)
-
-MANIFEST = "normswap.json"
 
 
 def _protected_paths(source: str | os.PathLike | None) -> list[Path]:
@@ -72,7 +65,9 @@ def _check_creatable(folder: Path) -> None:
         raise NormswapError(f"cannot create {folder}: {error.strerror or error}") from error
 
 
-def check_output_dir(out_dir: str | os.PathLike, source=None, *, overwrite: bool = False) -> Path:
+def check_output_dir(
+    out_dir: str | os.PathLike, source=None, *, overwrite: bool = False, write_into: bool = False
+) -> Path:
     """Check that ``out_dir`` can receive a converted checkpoint of model ``source``; return it absolute.
 
     Nothing is created. Call it before the (slow) load so bad input fails at once.
@@ -81,12 +76,16 @@ def check_output_dir(out_dir: str | os.PathLike, source=None, *, overwrite: bool
         out_dir: the output directory.
         source: the MODEL argument (path, short name, hub id), a list of them (every input of the
             command), or ``None``.
-        overwrite: whether an existing ``out_dir`` may be replaced.
+        overwrite: whether an existing ``out_dir`` may be replaced: only an empty directory or one that
+            normswap wrote (``normswap.io.staging.check_replaceable``) ever is.
+        write_into: an existing directory is written into, file by file (``bench --out``), never replaced:
+            it may hold anything.
 
     Raises:
         NormswapError: ``out_dir`` exists (without ``overwrite``) or is a file, lies inside an input
-            model's directory, is an input, (with ``overwrite``) contains an input, or cannot be created
-            (its nearest existing ancestor is a file or is not writable).
+            model's directory, is an input, (with ``overwrite``) contains an input or is neither empty nor
+            an earlier normswap output (the line names what it holds), or cannot be created (its nearest
+            existing ancestor is a file or is not writable).
     """
     out = Path(out_dir).expanduser().resolve()
     for protected in _inputs(source):
@@ -99,10 +98,8 @@ def check_output_dir(out_dir: str | os.PathLike, source=None, *, overwrite: bool
                 f"output directory {out} contains the input model {protected}; "
                 "replacing it would delete the input"
             )
-    if out.exists() and not out.is_dir():
-        raise NormswapError(f"output path {out} exists and is not a directory")
-    if out.exists() and not overwrite:
-        raise NormswapError(f"output directory {out} already exists; pass overwrite=True to replace it")
+    if not (write_into and out.is_dir()):
+        staging.check_replaceable(out, overwrite)
     _check_creatable(out.parent)
     return out
 
@@ -201,72 +198,28 @@ def report_dict(report, info: ModelInfo | None = None) -> dict[str, Any]:
     return data
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap the paths ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``).
+def write_checkpoint(
+    model: torch.nn.Module,
+    tokenizer,
+    manifest: dict[str, Any] | None,
+    folder: Path,
+    *,
+    max_shard_size: int | None = None,
+) -> None:
+    """Write ``model``'s checkpoint, its tokenizer and ``manifest`` (``normswap.json``) into ``folder``.
 
-    Returns False where the system or filesystem cannot (then nothing was changed).
+    The weights are saved by ``save_pretrained`` as safetensors in the model's own architecture format
+    (GGUF-loaded models as a plain float checkpoint, see ``plain_float_checkpoint``), in shards of at most
+    ``max_shard_size`` bytes when given (transformers' default otherwise). ``folder`` is a staged folder
+    (``normswap.io.staging.Staging``): nothing here is atomic on its own.
     """
-    libc = _libc()
-    if libc is None or not hasattr(libc, "renameat2"):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-        return False
-    raise OSError(code, os.strerror(code), str(b))
-
-
-@functools.cache
-def _libc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-def _replace_dir(built: Path, out: Path, overwrite: bool) -> None:
-    """Move the finished ``built`` directory to ``out`` with renames only (same filesystem).
-
-    An existing ``out`` (only with ``overwrite``) is exchanged with ``built`` in one atomic step where
-    Linux allows it, so ``out`` always holds one complete checkpoint; elsewhere it is renamed aside first.
-    The old checkpoint ends up at ``built``'s path, which the caller removes.
-    """
-    if not out.exists():
-        os.rename(built, out)
-        return
-    if not overwrite:
-        raise NormswapError(f"output directory {out} already exists; pass overwrite=True to replace it")
-    if _exchange(built, out):
-        return
-    old = built.with_name(built.name.removesuffix(".partial") + ".old")
-    os.rename(out, old)
-    try:
-        os.rename(built, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    os.rename(old, built)
-
-
-_HIDDEN = ".partial", ".old"
-
-
-def _remove_stale(out: Path) -> list[Path]:
-    """Remove the hidden build folders of ``out`` that a killed save left (call with the lock held).
-
-    Saves create ``.NAME.XXXXXXXX.partial`` (and, where paths cannot be exchanged, ``.old``) only while
-    holding ``output_lock(out)``, so any such folder found by the lock's holder is stale.
-    """
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}({'|'.join(map(re.escape, _HIDDEN))})")
-    stale = [p for p in out.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir()]
-    for path in stale:
-        log.info("removing %s, left by an interrupted save", path)
-        shutil.rmtree(path, ignore_errors=True)
-    return stale
+    with plain_float_checkpoint(model):
+        model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    staging.at_stage("weights")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    if manifest is not None:
+        files.write_json(folder / MANIFEST, manifest)
 
 
 def save_converted(
@@ -277,29 +230,35 @@ def save_converted(
     overwrite: bool = False,
     *,
     input_path: str | os.PathLike | None = None,
+    expected=None,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Write ``model`` (converted in place), its tokenizer and the report to ``out_dir``, atomically.
 
-    The files are written into a hidden temporary directory beside ``out_dir`` (same filesystem), which
-    then replaces ``out_dir`` in one step (see ``_replace_dir``); an error or interruption removes it, so
-    ``out_dir`` is either complete or as it was. The save holds ``output_lock(out_dir)``: a concurrent save
-    to the same directory fails with an "in use" line instead of interleaving, and build folders left by a
-    killed save are removed. The weights are saved by ``save_pretrained`` as safetensors in the model's
-    own architecture format (GGUF-loaded models as a plain float checkpoint, see
-    ``plain_float_checkpoint``); tied parameters are written once, an untied ``lm_head``
-    (``config.tie_word_embeddings = False``) as its own tensor. The caller's model is left as it was.
-    A PEFT model (``peft.PeftModel``) is saved as the plain model it computes: a copy merged with peft's
-    ``merge_and_unload`` (one more model in memory during the save); ``report["saved_as"]`` then says so
-    (the dict is updated in place, so a ``--report`` written after the save says it too) and ``normswap.json``
-    names the sites as the merged model does.
+    The files are written into a hidden folder beside ``out_dir`` (same filesystem), verified there when
+    ``expected`` is given, and only then exchanged with ``out_dir`` in one step
+    (``normswap.io.staging.Staging``): an error, a failed verification or an interruption leaves
+    ``out_dir`` exactly as it was. ``overwrite`` replaces only an empty directory or one that normswap
+    wrote. The save holds ``output_lock(out_dir)``: a concurrent save to the same directory fails with an
+    "in use" line instead of interleaving, and build folders left by a killed save are removed. The
+    weights are saved as ``write_checkpoint`` does; tied parameters are written once, an untied
+    ``lm_head`` (``config.tie_word_embeddings = False``) as its own tensor. The caller's model is left as
+    it was. A PEFT model (``peft.PeftModel``) is saved as the plain model it computes: a copy merged with
+    peft's ``merge_and_unload`` (one more model in memory during the save); ``report["saved_as"]`` then
+    says so (the dict is updated in place, so a ``--report`` written after the save says it too) and
+    ``normswap.json`` names the sites as the merged model does.
 
     Args:
         model: a transformers ``PreTrainedModel``.
         tokenizer: its tokenizer (or ``None``).
         report: JSON-ready dict (``report_dict(...)``), written as strict JSON to ``normswap.json``.
         out_dir: the output directory; its parent is created if needed.
-        overwrite: replace an existing ``out_dir``.
+        overwrite: replace an existing ``out_dir`` (an empty one or a normswap output only).
         input_path: the MODEL argument the model came from, to refuse an ``out_dir`` inside it.
+        expected: ``normswap.io.verify.record_expected(model, ids)``: verify the written checkpoint by a
+            fresh load (``verify_saved``) before it replaces ``out_dir``; the result goes into
+            ``report["verify"]`` and ``normswap.json``. The fresh load is a second model in memory.
+        trust_remote_code: passed to the fresh load.
 
     Returns:
         the absolute output directory.
@@ -308,38 +267,143 @@ def save_converted(
         NormswapError: see ``check_output_dir``, ``plain_float_checkpoint`` and
             ``normswap.io.adapters.plain_model`` (all before anything is written); another process is
             saving to ``out_dir`` ("in use"); any failure of a writer (a full disk, safetensors' or
-            tokenizers' own errors), as one line naming ``out_dir`` and the cause.
+            tokenizers' own errors), as one line naming ``out_dir`` and the cause; a failed verification
+            (``out_dir`` left as it was; ``report["verify"]`` says why).
     """
     out = check_output_dir(out_dir, input_path, overwrite=overwrite)
     model, manifest = plain_manifest(model, report)  # a PEFT model: a merged copy, freed on return
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise files.write_error(out.parent, error) from error
-    with files.output_lock(out):
-        _remove_stale(out)
-        if out.exists() and not overwrite:  # created while this process was converting
-            raise NormswapError(f"output directory {out} already exists; pass overwrite=True to replace it")
-        try:
-            built = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-        except OSError as error:
-            raise files.write_error(out.parent, error) from error
-        try:
-            with plain_float_checkpoint(model):
-                model.save_pretrained(built)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(built)
-            (built / MANIFEST).write_text(files.to_json(manifest))
-            files.apply_umask(built)
-            _replace_dir(built, out, overwrite)
-        except NormswapError:
-            raise
-        except Exception as error:  # any writer's exception type: OSError, SafetensorError, ...
-            raise files.write_error(out, error) from error
-        finally:
-            shutil.rmtree(built, ignore_errors=True)
+    inputs = _api_inputs(model, manifest, input_path)
+    with Staging(out, overwrite=overwrite) as stage:
+        carried = _write_staged(stage, model, tokenizer, manifest, inputs, str(input_path))
+        if expected is not None:
+            from normswap.io.verify import verify_saved
+
+            expected.carried = carried
+            verified = verify_saved(stage.path, expected, trust_remote_code=trust_remote_code)
+            report["verify"] = manifest["verify"] = verified.to_dict() | {"path": str(out)}
+            if not verified.passed:
+                raise NormswapError(
+                    f"verification of the checkpoint for {out} failed ({verified.failures[0]}); "
+                    f"{out} is left as it was"
+                )
+            staging.at_stage("verified")
+        stage.commit(manifest)
     log.info("saved %s", out)
     return out
+
+
+def _api_inputs(model: torch.nn.Module, manifest: dict, input_path):
+    """``carry.gather`` for ``save_converted``'s ``input_path`` (nothing without one). Tensors the model
+    class does not run are carried only when the conversion the manifest records kept what they read.
+
+    Raises:
+        NormswapError: such tensors, and a centered model or a folded final norm (one line naming them).
+    """
+    from normswap.io import carry
+    from normswap.sites import NormSite
+
+    try:
+        resolved = resolve(input_path, download=False) if input_path is not None else None
+    except NormswapError:  # not a model path: only the output guards use it
+        resolved = None
+    if resolved is None:
+        return carry.InputFiles()
+    inputs = carry.gather(resolved, model)
+    reading = carry.may_read_outputs(model, inputs.skipped) if inputs.skipped else []
+    if reading:
+        if manifest.get("norm", "keep") != "keep":
+            carry.refuse_changed_stream(str(input_path), model, reading, f"norm={manifest['norm']!r}")
+        sites = [NormSite.from_dict(s) for s in manifest.get("sites", [])]
+        folded = [s.name for s in carry.final_norms(model, sites) if s.folded]
+        if folded:
+            raise NormswapError(
+                f"{input_path}: the checkpoint holds {len(reading)} tensors the model class does not "
+                f"run ({reading[0]}, ...), which may read the output of {folded[0]}, folded here; "
+                "keep it unfolded (normswap.io.carry.keep_final_norms on the walk's sites before convert)"
+            )
+    return inputs
+
+
+def _write_staged(stage: Staging, model, tokenizer, manifest: dict, inputs, source: str) -> dict:
+    """Write the checkpoint into ``stage.path``: the model (in the input's shard size), the tensors the model
+    class does not run, the model card and licence files (``inputs``), the manifest; every input tensor must
+    have reached it. Returns the carried tensors' fingerprints (for the verification)."""
+    from normswap.io import carry
+
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
+    with stage.writing():
+        write_checkpoint(model, tokenizer, manifest, stage.path, max_shard_size=inputs.shard_size)
+        carried = carry.append_tensors(stage.path, inputs.folder, inputs.skipped, dtype, inputs.shard_size)
+        carry.copy_docs(inputs, stage.path)
+    carry.check_complete(source, inputs, stage.path, set(model.state_dict()))
+    staging.at_stage("written")
+    return carried
+
+
+def save_and_verify(
+    loaded,
+    report: dict[str, Any],
+    out_dir: str | os.PathLike,
+    input_ids: torch.Tensor,
+    *,
+    overwrite: bool = False,
+    force: bool = False,
+    inputs=None,
+    input_path: str | os.PathLike | None = None,
+    trust_remote_code: bool = False,
+    step=lambda message: None,
+):
+    """What ``normswap convert`` does after the check: write, verify, and only then replace ``out_dir``.
+
+    1. ``record_expected(loaded.model, input_ids)``: what the saved copy must reproduce;
+    2. into a hidden folder beside ``out_dir`` (``Staging``): the checkpoint (``write_checkpoint``, in the
+       input's shard size), the input tensors the model class does not run and the model card and licence
+       files (``normswap.io.carry``, from ``inputs``), ``report`` as ``normswap.json``; every input tensor
+       must have reached it (``carry.check_complete``);
+    3. ``loaded.model`` is dropped (set to ``None``, so the fresh load needs one model's memory, not two)
+       and the folder verified by a fresh load (``verify_saved``; the carried tensors by digest);
+    4. passed (or ``force``): ``report`` with ``verify`` and ``saved`` becomes the final ``normswap.json``
+       and the folder is exchanged with ``out_dir`` in one step. Failed: ``out_dir`` is left as it was.
+
+    Args:
+        loaded: a ``LoadedModel`` (its ``model`` converted and checked; ``tokenizer`` saved beside it).
+        report: the manifest (``report_dict``); ``report["verify"]`` is set here.
+        out_dir: the output directory.
+        input_ids: the check's ``(1, T)`` ids (the first 16 are run by the verification).
+        overwrite: replace an existing ``out_dir`` (an empty one or a normswap output only).
+        force: replace ``out_dir`` even when the verification fails.
+        inputs: ``normswap.io.carry.gather(...)`` for the input, or ``None``.
+        input_path: the MODEL argument (refuses an ``out_dir`` inside it; named in messages).
+        trust_remote_code: passed to the fresh load.
+        step: called with a progress message before the save and the verification.
+
+    Returns:
+        the ``VerifyResult``; ``out_dir`` holds the new checkpoint iff ``result.passed or force``.
+
+    Raises:
+        NormswapError: see ``check_output_dir``; another process is saving to ``out_dir``; a write fails;
+            an input tensor would be lost. ``out_dir`` is then left as it was.
+    """
+    from normswap.io import carry
+    from normswap.io.verify import record_expected, verify_saved
+
+    out = check_output_dir(out_dir, input_path, overwrite=overwrite)
+    inputs = inputs if inputs is not None else carry.InputFiles()
+    expected = record_expected(loaded.model, input_ids)
+    with Staging(out, overwrite=overwrite) as stage:
+        step(f"saving to {out} ...")
+        expected.carried = _write_staged(
+            stage, loaded.model, loaded.tokenizer, report, inputs, str(input_path)
+        )
+        loaded.model = None  # the fresh load below then needs one model's memory, not two
+        step(f"verifying {out} by a fresh load ...")
+        verified = verify_saved(stage.path, expected, trust_remote_code=trust_remote_code)
+        verified.path = str(out)
+        report["verify"] = verified.to_dict()
+        staging.at_stage("verified")
+        if verified.passed or force:
+            stage.commit(report | {"saved": True})
+    return verified
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:

@@ -52,6 +52,9 @@ class Expected:
         note: how the saved model relates to the one in memory (``None``: it is the same model).
         device_map: where the model's weights were (``normswap.device.placement``; ``None``: the CPU); the
             fresh load goes to the same place, so it runs the same kernels.
+        carried: tensors written beside the model's (checkpoint tensors the model class does not run,
+            ``normswap.io.carry``) -> their fingerprint as written; the fresh load does not hold them, so
+            they are read back from the safetensors files.
     """
 
     architecture: str
@@ -62,6 +65,7 @@ class Expected:
     outputs: torch.Tensor
     note: str | None = None
     device_map: dict[str, str | int] | None = None
+    carried: dict[str, tuple[str, tuple[int, ...], str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -212,6 +216,26 @@ def _compare_tensors(expected: Expected, fresh: torch.nn.Module, saved: dict[str
     return failures
 
 
+def _compare_carried(expected: Expected, path: Path) -> list[str]:
+    """The carried tensors, read back one at a time from the safetensors files, against their fingerprints."""
+    if not expected.carried:
+        return []
+    from normswap.stream.shards import CheckpointReader
+
+    reader = CheckpointReader(path)
+    failures = []
+    lost = sorted(expected.carried.keys() - reader.tensors.keys())
+    if lost:
+        failures.append(f"carried tensors missing from the saved files: {_names(lost)}")
+    for name in sorted(expected.carried.keys() & reader.tensors.keys()):
+        tensor = reader.read(name)
+        got = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), _digest(tensor))
+        if got != tuple(expected.carried[name]):
+            failures.append(f"{name} is saved with other values than were carried over")
+        del tensor
+    return failures
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return float("inf")
@@ -230,7 +254,8 @@ def verify_saved(
     state dict has the same tensor names, and each the same dtype (also as stored in the safetensors
     files), shape and bytes; the outputs on ``expected.input_ids`` with the manifest's fused norms are
     bit-identical, and in float32/float64 those of the plain transformers load are within the check's
-    max-abs tolerance. Needs one model's
+    max-abs tolerance; the tensors carried beside the model's (``expected.carried``: checkpoint tensors
+    the model class does not run) are read back from the files with their digests. Needs one model's
     memory (free the in-memory model first to keep the peak at one model).
 
     Returns:
@@ -266,6 +291,7 @@ def verify_saved(
     if type(fresh).__name__ != expected.architecture:
         failures.append(f"reloads as {type(fresh).__name__}, was {expected.architecture}")
     failures += _compare_tensors(expected, fresh, _saved_dtypes(Path(resolved.path)))
+    failures += _compare_carried(expected, Path(resolved.path))
     exact_dtype = expected.dtype in ("float32", "float64")
     plain_tol = default_tolerance(expected.dtype)["max_abs"] if exact_dtype else float("inf")
     kind, plain_diff, fused_diff = expected.output, float("inf"), float("inf")
@@ -286,7 +312,7 @@ def verify_saved(
         path=str(resolved.path),
         architecture=type(fresh).__name__,
         expected_architecture=expected.architecture,
-        tensors=len(expected.tensors),
+        tensors=len(expected.tensors) + len(expected.carried),
         tokens=expected.outputs.shape[0],
         output=kind,
         max_abs_diff=fused_diff,

@@ -7,17 +7,20 @@
 2. reference logits of the original, streamed the same way (the localization records in a temporary file,
    ``stream.records``, so the memory does not grow with the layer count);
 3. ``normswap.fold.plan``; untying proved on two streamed forwards as ``normswap.fold.untie_checked`` does;
-4. every output shard written tensor by tensor with the plan applied (``stream.plan``), into a temporary
-   directory beside the output, in the input's shard layout, with its index;
+4. every output shard written tensor by tensor with the plan applied (``stream.plan``), into a hidden
+   folder beside the output (``normswap.io.staging.Staging``), in the input's shard layout, with its index;
+   every checkpoint tensor is written, also those the model class does not run (``stream.model.build``:
+   ``Streamed.skipped``; the final norm then stays unfolded, ``normswap.io.carry``);
 5. the check: the written checkpoint, streamed, with the fused norms swapped in, against the reference
    (``normswap.check.compare``: same text, tolerance policy and localization);
-6. the temporary directory becomes the output with one rename (``normswap.io.save``), or is removed;
-7. the output verified by a fresh streamed load (``stream.verify``: the digest of every tensor as written,
-   the checked model's outputs); a failure removes it again unless ``force``.
+6. the folder verified by a fresh streamed load (``stream.verify``: the digest of every tensor as written,
+   the checked model's outputs);
+7. passed (or ``force``): the folder is exchanged with the output in one step; otherwise it is removed and
+   the output is left as it was.
 
 Under ``accelerate launch`` (``torch.distributed`` initialized, ``stream.dist``) every process walks and
-plans, process r writes the shards r, r+K, ...; process 0 writes the index, config, tokenizer and report,
-runs the check and moves the directory into place.
+plans, process r writes the shards r, r+K, ...; process 0 holds the output's lock, writes the index, config,
+tokenizer and report, runs the check and the verification and exchanges the folder with the output.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 
 from normswap.errors import NormswapError
+from normswap.io import carry, staging
 from normswap.stream import dist
 from normswap.stream.model import Streamed, StreamedParameter, build, is_released
 from normswap.stream.plan import layout, make_tensor, tensor_plans
@@ -47,13 +51,14 @@ from normswap.walk import short_inputs
 @dataclass
 class Source:
     """A safetensors model directory opened for streaming: ``reader``, ``config``, ``tokenizer``, ``info``
-    (``normswap.io.ModelInfo``) and ``dtype``."""
+    (``normswap.io.ModelInfo``), ``dtype``, and whether the model's own code may run."""
 
     reader: CheckpointReader
     config: Any
     tokenizer: Any
     info: Any
     dtype: torch.dtype
+    trust_remote_code: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -84,8 +89,10 @@ def parse_size(text: str) -> int:
 
 
 # What a streamed conversion needs from a hub repository besides the weights: config, index, generation
-# config and the tokenizer in any of its formats (Python files only with trust_remote_code).
-HUB_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "vocab*", "merges*"]
+# config, the tokenizer in any of its formats, the model card and licence files (normswap.io.carry; Python
+# files only with trust_remote_code).
+HUB_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "vocab*", "merges*",
+             "README*", "LICENSE*", "LICENCE*", "NOTICE*", "USE_POLICY*"]  # fmt: skip
 
 
 def fetch_hub(repo_id: str, trust_remote_code: bool = False) -> str:
@@ -147,14 +154,26 @@ def open_source(
     reader = CheckpointReader(resolved.path)
     loaded_tokenizer = load_tokenizer(resolved, tokenizer, trust_remote_code=trust_remote_code)
     torch_type = torch_dtype(dtype)
-    from transformers import AutoModelForCausalLM
-
-    architecture = AutoModelForCausalLM._model_mapping[type(config)].__name__
+    architecture = _causal_lm_name(model, config)
     info = ModelInfo(
         source=resolved.source, kind=kind, path=resolved.path, gguf_file=None, short_name=None,
         architecture=architecture, causal_lm=True, dtype=str(torch_type).removeprefix("torch."),
     )  # fmt: skip
-    return Source(reader, config, loaded_tokenizer, info, torch_type)
+    return Source(reader, config, loaded_tokenizer, info, torch_type, trust_remote_code)
+
+
+def _causal_lm_name(model: str, config) -> str:
+    """The name of the causal-LM class ``config`` builds: transformers' own, or the one its ``auto_map``
+    names (remote code, which transformers' mapping does not hold)."""
+    from transformers import AutoModelForCausalLM
+
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) in mapping:
+        return mapping[type(config)].__name__
+    remote = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if remote:
+        return str(remote).rsplit(".", 1)[-1]
+    raise NormswapError(f"{model}: transformers has no causal-LM class for model type {config.model_type!r}")
 
 
 def _libc():
@@ -227,10 +246,12 @@ def write_shards(
         except BaseException:
             writer.abort()
             raise
+        staging.at_stage("shard")
 
 
-def _write_metadata(source: Source, plans, folder: Path, config) -> None:
-    """Index (sharded inputs), config, generation config and tokenizer files of the output."""
+def _write_metadata(source: Source, plans, folder: Path, config, inputs) -> None:
+    """Index (sharded inputs), config, generation config and tokenizer files of the output; the model card
+    and licence files of ``inputs`` (``normswap.io.carry``); the model's own code for a remote-code model."""
     if source.reader.sharded:
         shards = layout(source.reader, plans, source.dtype)
         weight_map = {name: file for file, entries in shards.items() for name, _, _ in entries}
@@ -242,6 +263,11 @@ def _write_metadata(source: Source, plans, folder: Path, config) -> None:
         shutil.copyfile(generation, folder / "generation_config.json")
     if source.tokenizer is not None:
         source.tokenizer.save_pretrained(folder)
+    carry.copy_docs(inputs, folder)
+    if source.trust_remote_code and getattr(config, "auto_map", None):
+        for code in sorted(Path(source.reader.folder).glob("*.py")):  # what config.auto_map names
+            if not (folder / code.name).exists():
+                shutil.copyfile(code, folder / code.name)
 
 
 def convert_streamed(
@@ -266,9 +292,9 @@ def convert_streamed(
         step: called with a progress message before each stage.
 
     Returns:
-        ``(report dict as normswap.json holds it, whether the check passed)``. When the output was moved
-        into place, the report's ``"verify"`` holds ``stream.verify.verify_streamed``'s result on it; a
-        failed verification without ``force`` removes the output again (``verify.passed`` False).
+        ``(report dict as normswap.json holds it, whether the check passed)``. When the check passed (or
+        ``force``), the report's ``"verify"`` holds ``stream.verify.verify_streamed``'s result on the
+        written folder; the output is replaced only when that passed (or ``force``), else left as it was.
 
     Raises:
         NormswapError: bad input, a model that cannot be streamed, or a write the disk refuses; the
@@ -278,7 +304,8 @@ def convert_streamed(
     from normswap.convert import ConvertReport
     from normswap.fold import plan
     from normswap.io import files
-    from normswap.io.save import MANIFEST, _remove_stale, _replace_dir, report_dict
+    from normswap.io.save import report_dict
+    from normswap.io.staging import MANIFEST, Staging
     from normswap.swap import swap_norms
     from normswap.walk import walk
 
@@ -290,12 +317,16 @@ def convert_streamed(
     def records():
         return DiskRecords(spill)
 
-    streamed = build(source.config, source.reader, source.dtype)
+    trusted = source.trust_remote_code
+    streamed = build(source.config, source.reader, source.dtype, trust_remote_code=trusted)
+    inputs = carry.gather(source.info)  # the model card and licence files
+    inputs.skipped = streamed.skipped  # tensors the class does not run: every checkpoint tensor is written
     step("finding the norms and their consumers (streamed) ...")
     walk_ids = short_inputs(input_ids)
     traced = _guarded(lambda: walk(streamed.model, walk_ids), source)
     if not traced.sites:
         raise NormswapError(f"{source.info.source}: no normalization modules found; nothing to convert")
+    inputs.kept = carry.keep_final_norms(streamed.model, traced.sites, inputs.skipped)
     release_memory()
     reference = None
     if dist.is_main():  # only the main process checks
@@ -310,13 +341,14 @@ def convert_streamed(
     config = streamed.model.config
     streamed.close()  # holds only the 1-D parameters from here on
     release_memory()
-    lock = contextlib.ExitStack()  # held by the main process from here to the end, as save_converted does
+    stage = contextlib.ExitStack()  # the main process's Staging, held from here to the end
+    staged: list[Staging] = []
 
-    def take_lock():
-        lock.enter_context(files.output_lock(out))
-        _remove_stale(out)
+    def make() -> Path:  # main process: the output's lock and the hidden folder beside it
+        staged.append(stage.enter_context(Staging(out, overwrite=overwrite)))
+        return staged[0].path
 
-    built = dist.shared_tempdir(out, prepare=take_lock)
+    built = dist.shared_folder(make)
     try:
         step(f"writing {len(source.reader.files)} shard(s) ...")
         mine = dist.my_share(source.reader.files)
@@ -335,10 +367,10 @@ def convert_streamed(
                 site.reason = site.reason or "not folded"
         passed = True
         if dist.is_main():
-            _write_metadata(source, plans, built, config)
+            _write_metadata(source, plans, built, config, inputs)
             release_memory()
             step("checking the converted logits (streamed) ...")
-            converted = build(config, CheckpointReader(built), source.dtype)
+            converted = build(config, CheckpointReader(built), source.dtype, trust_remote_code=trusted)
             report.norms_swapped = swap_norms(converted.model, traced.sites)
             checked = _guarded(
                 lambda: compare(reference, converted.model, input_ids, records=records), source
@@ -353,20 +385,19 @@ def convert_streamed(
             report.check = checked.to_dict()
             data = report_dict(report, source.info)
             data["streamed"] = {"shards": len(source.reader.files), "processes": dist.world_size()}
-            (built / MANIFEST).write_text(files.to_json(data))
-            if passed or force:
-                files.apply_umask(built)
-                if out.exists() and not overwrite:  # created while this process was converting
-                    raise NormswapError(f"output directory {out} already exists; pass overwrite=True")
-                _replace_dir(built, out, overwrite)
+            if inputs.skipped or inputs.docs or inputs.large:
+                data["carried"] = inputs.to_dict()
+            files.write_json(built / MANIFEST, data)
+            staging.at_stage("written")
+            if passed or force:  # verified where it was written; it replaces the output only then
                 release_memory()
                 step(f"verifying {out} by a fresh load (streamed) ...")
-                verified = _guarded(lambda: verify_streamed(out, expected), source)
+                verified = _guarded(lambda: verify_streamed(built, expected, trusted), source)
+                verified.path = str(out)
                 data["verify"] = verified.to_dict()
+                staging.at_stage("verified")
                 if verified.passed or force:
-                    (out / MANIFEST).write_text(files.to_json(data))
-                else:
-                    shutil.rmtree(out, ignore_errors=True)
+                    staged[0].commit(data | {"saved": True})
         else:
             data = {}
         passed = dist.broadcast(passed)
@@ -378,8 +409,7 @@ def convert_streamed(
     finally:
         dist.barrier()
         if dist.is_main():
-            shutil.rmtree(built, ignore_errors=True)
-            lock.close()
+            stage.close()
 
 
 def _values(model: torch.nn.Module, name: str) -> torch.Tensor:

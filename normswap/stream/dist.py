@@ -2,7 +2,7 @@
 
 Without a launcher (or with one process) every function here is the single-process identity. With several,
 ``accelerate.PartialState`` forms the process group (gloo on a machine without an accelerator, as
-``normswap eval`` does): the main process makes the temporary output directory and tells the others its
+``normswap eval`` does): the main process makes the hidden output folder and tells the others its
 path, each process writes its share of the shards, and failures are gathered so every process stops
 together with the first error.
 """
@@ -10,7 +10,6 @@ together with the first error.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -66,26 +65,23 @@ def my_share(items: list) -> list:
     return items[rank() :: world_size()]
 
 
-def shared_tempdir(out: Path, prepare=None) -> Path:
-    """A new hidden directory beside ``out`` (same filesystem, so it can be renamed to ``out``), made by
-    the main process; every process gets its path. ``prepare()`` runs on the main process first (taking
-    the output's lock); its NormswapError reaches every process.
+def shared_folder(make) -> Path:
+    """``make()`` on the main process (it makes the hidden output folder beside the output and returns its
+    path, ``normswap.io.staging.Staging``); every process gets that path. A ``NormswapError`` or ``OSError``
+    of ``make`` reaches every process.
 
     Raises:
-        NormswapError: the parent directory cannot be written, or ``prepare`` refused.
+        NormswapError: ``make`` refused or failed.
     """
     path = None
     error = None
     if is_main():
         try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            if prepare is not None:
-                prepare()
-            path = str(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+            path = str(make())
         except NormswapError as e:
             error = str(e)
         except OSError as e:
-            error = f"cannot write to {out.parent}: {e.strerror or e}"
+            error = f"cannot write: {e.strerror or e}"
     path, error = broadcast((path, error))
     if error:
         raise NormswapError(error)

@@ -74,12 +74,16 @@ class Streamed:
         reader: the checkpoint it reads.
         keys: qualified parameter or buffer name (every name a tied Parameter has) -> checkpoint tensor name.
         handles: the hook handles (``close()`` removes them).
+        skipped: checkpoint tensors the model class does not hold and transformers' loader drops by design
+            (``normswap.io.carry.loader_ignores``: a multi-token-prediction layer), in checkpoint order; the
+            conversion writes them unchanged.
     """
 
     model: nn.Module
     reader: CheckpointReader
     keys: dict[str, str]
     handles: list = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
     def close(self) -> None:
         for h in self.handles:
@@ -107,7 +111,12 @@ def _release(module: nn.Module, attrs: dict[str, str]) -> None:
 
 
 def build(
-    config, reader: CheckpointReader, dtype: torch.dtype, device: torch.device | str = "cpu"
+    config,
+    reader: CheckpointReader,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    *,
+    trust_remote_code: bool = False,
 ) -> Streamed:
     """Build the causal LM of ``config`` over the checkpoint ``reader`` (see the module docstring).
 
@@ -116,16 +125,19 @@ def build(
         reader: the checkpoint's tensors; its names must be the model's parameter names.
         dtype: floating dtype of the parameters (checkpoint tensors are cast to it as they are read).
         device: where the weights are read to and the model runs.
+        trust_remote_code: build the class of the model's own code (``config.auto_map``).
 
     Raises:
         NormswapError: a parameter has no tensor in the checkpoint, a checkpoint tensor belongs to no
-            parameter or buffer, or a shape differs.
+            parameter or buffer (and is not one transformers' loader drops by design), or a shape differs.
     """
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    from normswap.io.carry import loader_ignores
+
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()
     model.eval()
     keys: dict[str, str] = {}
@@ -155,16 +167,19 @@ def build(
             name = f"{mod_name}.{attr}" if mod_name else attr
             if b is not None and attr not in module._non_persistent_buffers_set and name in reader.tensors:
                 persistent[name] = (module, attr)
-    extra = sorted(set(reader.tensors) - set(keys.values()) - set(persistent))
-    if extra:
+    extra = set(reader.tensors) - set(keys.values()) - set(persistent)
+    skipped = loader_ignores(model, extra)
+    unexpected = sorted(extra - skipped)
+    if unexpected:
         raise NormswapError(
-            f"{source}: the checkpoint has tensor {extra[0]}, which the model does not expect"
+            f"{source}: the checkpoint has tensor {unexpected[0]}, which the model does not expect"
         )
     with torch.no_grad():
         for name, (module, attr) in persistent.items():
             module._buffers[attr] = reader.read(name, module._buffers[attr].dtype, device)
             keys[name] = name
-    streamed = Streamed(model, reader, keys)
+    order = {name: (info.file, info.start) for name, info in reader.tensors.items()}
+    streamed = Streamed(model, reader, keys, skipped=sorted(skipped, key=order.__getitem__))
     replaced: dict[int, nn.Parameter] = {}  # id of the meta Parameter -> its stand-in (tied ones stay shared)
     for mod_name, module in model.named_modules(remove_duplicate=False):
         attrs = {}

@@ -1,0 +1,298 @@
+"""Replacing an output directory without ever losing what it held: write beside, verify, exchange.
+
+A converted checkpoint is written into a hidden folder beside the output ``OUT`` (``.OUT.XXXXXXXX.partial``,
+same filesystem), verified there, and only then exchanged with ``OUT`` in one step (``renameat2`` with
+``RENAME_EXCHANGE`` on Linux; elsewhere two renames, which a later save undoes if a run ends between them).
+So at every moment ``OUT`` holds one complete checkpoint: the previous one, unless the new one passed.
+``Staging`` holds the output's lock (``files.output_lock``) from the start to the end, so a concurrent save
+answers "in use".
+
+What ``overwrite`` may replace: an empty directory, or a directory normswap wrote. A finished output's
+``normswap.json`` carries ``"output": {"written_by": "normswap", "files": {name: size}}`` (every other file
+of the folder with its size in bytes); a directory whose entries are all files listed there with the same
+size, plus the manifest itself, is an earlier normswap output. Anything else (a folder without that
+manifest, a file normswap did not write, a file whose size changed, a subfolder) is refused in one line
+that names what is inside, before anything is touched.
+
+Stages: a save passes ``STAGES`` in order and calls ``at_stage(name)`` at each; ``at_stage`` does nothing.
+The fault-injection tests (tests/test_faults.py) replace it to kill the process there and check that ``OUT``
+is the previous checkpoint or the verified new one, byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import functools
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from normswap.errors import NormswapError
+from normswap.io import files
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "normswap.json"
+WRITER = "normswap"
+
+# Where a save can be stopped, in order: the lock is held and the empty hidden folder made ("staged"); the
+# weights written ("weights", in memory) or one shard written ("shard", streamed); every file written
+# ("written"); the new checkpoint verified ("verified"); the final manifest written ("finished"); where
+# paths cannot be exchanged in one step, the previous checkpoint renamed aside ("aside"); the new one in
+# place ("exchanged"); the previous checkpoint removed, the lock not yet released ("removed").
+STAGES = ("staged", "weights", "shard", "written", "verified", "finished", "aside", "exchanged", "removed")
+
+
+def at_stage(name: str) -> None:
+    """Called as a save passes stage ``name`` (one of ``STAGES``); does nothing (a hook for the tests)."""
+
+
+def _entry(path: Path) -> str:
+    return path.name + ("/" if path.is_dir() and not path.is_symlink() else "")
+
+
+def _some(paths: list[Path], limit: int = 4) -> str:
+    names = sorted(_entry(p) for p in paths)
+    more = f", ... ({len(names)} entries)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def listed_files(out: Path) -> dict[str, int] | None:
+    """``{file name: size}`` that the ``normswap.json`` of ``out`` lists as written by normswap, or ``None``
+    when there is no such manifest (missing, not JSON, no ``output`` marker)."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+        output = manifest["output"]
+        if output["written_by"] != WRITER or not isinstance(output["files"], dict):
+            return None
+        return {str(k): int(v) for k, v in output["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def not_replaceable(out: Path) -> str | None:
+    """Why the existing directory ``out`` must not be replaced (one clause), or ``None`` when it may be:
+    it is empty, or every entry is a file its normswap manifest lists, with the listed size."""
+    entries = list(out.iterdir())
+    if not entries:
+        return None
+    listed = listed_files(out)
+    if listed is None:
+        return f"is not a normswap output (no {MANIFEST} listing its files) and holds {_some(entries)}"
+    foreign, changed = [], []
+    for path in entries:
+        if path.name == MANIFEST:
+            continue
+        if path.is_symlink() or not path.is_file() or path.name not in listed:
+            foreign.append(path)
+        elif path.stat().st_size != listed[path.name]:
+            changed.append(path)
+    if foreign:
+        return f"holds what normswap did not write: {_some(foreign)}"
+    if changed:
+        return f"holds files changed since normswap wrote them: {_some(changed)}"
+    return None
+
+
+def check_replaceable(out: Path, overwrite: bool) -> None:
+    """Refuse an existing ``out`` that may not be replaced: without ``overwrite``, or (with it) one that is
+    neither empty nor an earlier normswap output (``not_replaceable``).
+
+    Raises:
+        NormswapError: one line naming ``out`` and what is inside.
+    """
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise NormswapError(f"output path {out} exists and is not a directory")
+    if not overwrite:
+        raise NormswapError(f"output directory {out} already exists; pass overwrite=True to replace it")
+    reason = not_replaceable(out)
+    if reason is not None:
+        raise NormswapError(
+            f"output directory {out} {reason}; overwrite=True replaces only a directory that normswap "
+            "wrote or an empty one: choose another output directory"
+        )
+
+
+@functools.cache
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns False where the system or filesystem cannot (then nothing was changed).
+    """
+    libc = _libc()
+    if libc is None or not hasattr(libc, "renameat2"):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _old_path(built: Path) -> Path:
+    return built.with_name(built.name.removesuffix(".partial") + ".old")
+
+
+def _replace_dir(built: Path, out: Path) -> None:
+    """Move the finished ``built`` directory to ``out`` with renames only (same filesystem).
+
+    An existing ``out`` is exchanged with ``built`` in one atomic step where Linux allows it; elsewhere it
+    is renamed aside (``.old``) first, and a run that ends between the two renames leaves ``out`` missing
+    and the ``.old`` folder, which the next save to ``out`` renames back (``_recover``). The previous
+    checkpoint ends up at ``built``'s path, which the caller removes.
+    """
+    if not out.exists():
+        os.rename(built, out)
+        return
+    if _exchange(built, out):
+        return
+    old = _old_path(built)
+    os.rename(out, old)
+    at_stage("aside")
+    try:
+        os.rename(built, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    os.rename(old, built)
+
+
+_HIDDEN = ".partial", ".old"
+
+
+def _stale(out: Path) -> list[Path]:
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}({'|'.join(map(re.escape, _HIDDEN))})")
+    return [p for p in out.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir()]
+
+
+def _recover(out: Path) -> list[Path]:
+    """Undo what a killed save left (call with the lock held): a previous checkpoint renamed aside
+    (``.old``) while ``out`` is missing is renamed back; every other hidden build folder is removed.
+
+    Saves create ``.NAME.XXXXXXXX.partial`` (and, where paths cannot be exchanged, ``.old``) only while
+    holding ``output_lock(out)``, so any such folder found by the lock's holder is stale.
+    """
+    stale = _stale(out)
+    if not out.exists():
+        old = next((p for p in stale if p.name.endswith(".old")), None)
+        if old is not None:
+            log.info("restoring %s from %s, left by an interrupted save", out, old)
+            os.rename(old, out)
+            stale.remove(old)
+    for path in stale:
+        log.info("removing %s, left by an interrupted save", path)
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def file_sizes(folder: Path) -> dict[str, int]:
+    """``{name: size in bytes}`` of every file in ``folder`` but the manifest (the ``output`` marker)."""
+    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+class Staging:
+    """A hidden folder beside output ``out`` in which a checkpoint is written and verified before it
+    replaces ``out`` in one step (see the module docstring).
+
+    Usage::
+
+        with Staging(out, overwrite=True) as stage:
+            with stage.writing():
+                ...  # write the checkpoint into stage.path (and verify it there)
+            stage.commit(manifest)  # final normswap.json, then the exchange
+
+    Leaving the block removes the hidden folder (holding the previous checkpoint after a commit, or the
+    uncommitted new one) and releases the lock; without ``commit`` ``out`` is left exactly as it was.
+
+    Args:
+        out: the output directory (absolute; checked by ``normswap.io.save.check_output_dir``).
+        overwrite: whether an existing ``out`` may be replaced (only an empty one or a normswap output).
+
+    Raises (on entering):
+        NormswapError: another process holds the output's lock ("in use"); ``out`` may not be replaced
+            (``check_replaceable``, checked again now that the lock is held); the folder cannot be made.
+    """
+
+    def __init__(self, out: str | os.PathLike, *, overwrite: bool = False):
+        self.out = Path(out)
+        self.overwrite = overwrite
+        self.path: Path | None = None
+        self.committed = False
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Staging:
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise files.write_error(self.out.parent, error) from error
+        with self._stack:
+            self._stack.enter_context(files.output_lock(self.out))
+            _recover(self.out)
+            check_replaceable(self.out, self.overwrite)  # again: the directory may have changed meanwhile
+            try:
+                self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".partial",
+                                                  dir=self.out.parent))  # fmt: skip
+            except OSError as error:
+                raise files.write_error(self.out.parent, error) from error
+            self._stack = self._stack.pop_all()
+        at_stage("staged")
+        return self
+
+    @contextlib.contextmanager
+    def writing(self):
+        """Within the block, any writer's exception (``OSError``, safetensors' ``SafetensorError``, a
+        tokenizer's plain ``Exception``) becomes one ``NormswapError`` line naming the output."""
+        try:
+            yield self.path
+        except NormswapError:
+            raise
+        except Exception as error:
+            raise files.write_error(self.out, error) from error
+
+    def commit(self, manifest: dict) -> Path:
+        """Write ``manifest`` as the staged folder's ``normswap.json`` (atomically, with the ``output`` marker
+        listing every other file and its size), then exchange the folder with the output in one step.
+
+        Returns the output directory. Raises ``NormswapError`` (output untouched) when the output may no
+        longer be replaced or a write fails.
+        """
+        data = dict(manifest)
+        with self.writing():
+            files.apply_umask(self.path)
+            data["output"] = {"written_by": WRITER, "files": file_sizes(self.path)}
+            files.write_json(self.path / MANIFEST, data)
+            at_stage("finished")
+            check_replaceable(self.out, self.overwrite)
+            _replace_dir(self.path, self.out)
+        self.committed = True
+        at_stage("exchanged")
+        return self.out
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.path is not None:
+                shutil.rmtree(self.path, ignore_errors=True)
+                if self.committed and exc[0] is None:
+                    at_stage("removed")
+        finally:
+            self._stack.close()
