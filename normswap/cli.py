@@ -209,7 +209,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)
     report_dict["check_input"] = check_input
-    if inputs.skipped or inputs.docs or inputs.large:
+    if inputs:
         report_dict["carried"] = inputs.to_dict()
     passed = bool(checked.passed)
     saved = passed or force
@@ -444,7 +444,7 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
     if carried.get("files") or carried.get("not_copied"):
         copied = ", ".join(carried.get("files") or []) or "none"
         skipped = "; not copied: " + ", ".join(carried["not_copied"]) if carried.get("not_copied") else ""
-        lines.append(f"copied:   {copied} (model card and licence files){skipped}")
+        lines.append(f"copied:   {copied} (other files of the input){skipped}")
     if output is not None:
         lines.append(f"saved:    {output}")
     verify = report.get("verify")

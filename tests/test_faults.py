@@ -1004,26 +1004,46 @@ def test_stale_rotary_buffers_are_carried_and_the_final_norm_still_folds(small, 
 
 
 @pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
-def test_model_card_and_licence_files_are_copied(small, tmp_path, streamed):
-    """The model card and licence files beside the weights reach the output byte for byte; one larger than
-    the limit is named, not copied; the output is still an earlier normswap output for --overwrite."""
-    from normswap.io.carry import DOC_LIMIT
+def test_other_files_of_the_input_are_copied(small, tmp_path, streamed, monkeypatch):
+    """Every other file of the input (model card, licence, a sentence-transformers pipeline in a subfolder)
+    reaches the output byte for byte, never over what transformers wrote; weight files of the original, one
+    larger than the limit and hidden folders are not copied (the first two named); the output is still an
+    earlier normswap output for --overwrite."""
+    from normswap.io import carry
 
     src = Path(shutil.copytree(small, tmp_path / "src"))
     (src / "README.md").write_text("# Tiny model\nA model card.\n")
     (src / "LICENSE").write_text("Permission is granted ...\n")
-    (src / "NOTICE-data.txt").write_bytes(b"x" * (DOC_LIMIT + 1))
+    (src / "1_Pooling").mkdir()  # a sentence-transformers pipeline beside the weights
+    (src / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}\n')
+    (src / "modules.json").write_text("[]\n")
+    (src / "NOTICE-data.txt").write_bytes(b"x" * 4096)
+    (src / ".git").mkdir()
+    (src / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (src / "pytorch_model.bin").write_bytes(b"the original's weights in another format")
+    (src / "training_args.bin").write_bytes(b"pickle")
+    monkeypatch.setattr(carry, "FILE_LIMIT", 1024)
+    config = json.dumps(json.loads((src / "config.json").read_text()), indent=7).encode()  # not as HF writes
+    (src / "config.json").write_bytes(config)
     out = tmp_path / "out"
     result = run("convert", src, "--output", out, *FEW, *streamed)
     assert result.exit_code == 0, result.output
-    assert (out / "README.md").read_bytes() == (src / "README.md").read_bytes()
-    assert (out / "LICENSE").read_bytes() == (src / "LICENSE").read_bytes()
-    assert not (out / "NOTICE-data.txt").exists()
-    assert "copied:   LICENSE, README.md (model card and licence files); not copied: NOTICE-data.txt" in (
+    copied = ["1_Pooling/config.json", "LICENSE", "README.md", "modules.json"]
+    for rel in copied:
+        assert (out / rel).read_bytes() == (src / rel).read_bytes()
+    assert (out / "config.json").read_bytes() != config  # what transformers writes is never overwritten
+    for rel in ("NOTICE-data.txt", ".git", "pytorch_model.bin", "training_args.bin"):
+        assert not (out / rel).exists()
+    assert f"copied:   {', '.join(copied)} (other files of the input); not copied: NOTICE-data.txt" in (
         result.stdout
     )
     carried = strict_json(out / "normswap.json")["carried"]
-    assert carried["files"] == ["LICENSE", "README.md"] and carried["tensors"] == []
+    assert carried["files"] == copied and carried["tensors"] == []
+    assert sorted(carried["not_copied"]) == [
+        "NOTICE-data.txt (larger than 1024 bytes)",
+        "pytorch_model.bin (weights or training state of the original, not the converted model's)",
+        "training_args.bin (weights or training state of the original, not the converted model's)",
+    ]
     assert run("convert", src, "--output", out, "--overwrite", *FEW, *streamed).exit_code == 0
 
 

@@ -15,10 +15,15 @@
   refused before anything is written (``refuse_changed_stream``). Stale buffers that transformers drops
   by its generic rule (an old checkpoint's per-layer ``rotary_emb.inv_freq``) are carried too, but read
   no hidden state (``may_read_outputs``).
-* **Model card and licence files** beside the weights (``DOC_PATTERN``: README*, LICENSE*/LICENCE*,
-  NOTICE*, COPYING*, USE_POLICY*, ACCEPTABLE_USE*; top-level regular files, symlinks followed, at most
-  ``DOC_LIMIT`` bytes each; a larger one is not copied and the report names it). No other file is copied:
-  the rest of the output is what transformers and normswap write.
+* **Every other file of the input directory** (``extra_files``): the model card and licence files, a
+  processor's or a sentence-transformers pipeline's configuration (``preprocessor_config.json``,
+  ``modules.json``, ``1_Pooling/config.json``), chat templates, the model's own code. Subfolders are
+  walked; hidden entries (``.git``, ``.cache``) are not. A file the output already holds (written by
+  transformers or normswap: ``config.json``, tokenizer files, ...) is never overwritten. Not copied, and
+  named in the report with the reason: the input checkpoint's own weight files (the output holds the
+  converted weights), weights of the original in another format or training state (``*.bin``, ``*.pt``,
+  ``*.onnx``, ``*.h5``, ...: they would not match the converted model), and files larger than
+  ``FILE_LIMIT``.
 * **Shard size.** A sharded input's output is written in shards of at most its largest shard's size.
 """
 
@@ -38,10 +43,11 @@ import torch
 
 from normswap.errors import NormswapError
 
-DOC_PATTERN = re.compile(
-    r"(readme|licen[cs]e|notice|copying|use[_-]?policy|acceptable[_-]use)([._-].*)?", re.IGNORECASE
-)
-DOC_LIMIT = 8 << 20  # bytes: a model card or a licence text is far smaller; a larger file is not copied
+FILE_LIMIT = 64 << 20  # bytes: configuration, templates, cards and code are far smaller; a larger file is named
+# suffixes of weight and training-state files: the original's, so never copied beside the converted weights
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx",
+                   ".onnx_data", ".tflite", ".ot", ".npz", ".npy", ".pkl", ".pickle", ".joblib")  # fmt: skip
+CHECKPOINT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 @dataclass
@@ -51,8 +57,8 @@ class InputFiles:
     Attributes:
         folder: the input directory (``None``: a GGUF file, or a hub id not in the local cache).
         skipped: checkpoint tensors the model class does not hold, in checkpoint order.
-        docs: model card and licence files to copy.
-        large: files named like ``docs`` but larger than ``DOC_LIMIT`` (not copied).
+        files: the other files of the input directory to copy (``extra_files``), paths relative to it.
+        not_copied: ``{path: reason}`` for the files of the input directory that are not copied.
         shard_size: bytes of the largest shard when the input is sharded, else ``None``.
         kept: norms kept unfolded because ``skipped`` may read their output (``keep_final_norms``).
         names: every tensor name of the input's safetensors (or .bin) files (checked against the output).
@@ -60,8 +66,8 @@ class InputFiles:
 
     folder: Path | None = None
     skipped: list[str] = field(default_factory=list)
-    docs: list[str] = field(default_factory=list)
-    large: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    not_copied: dict[str, str] = field(default_factory=dict)
     shard_size: int | None = None
     kept: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list, repr=False)
@@ -74,9 +80,13 @@ class InputFiles:
             if self.skipped
             else None,
             "norms_kept_unfolded": list(self.kept),
-            "files": list(self.docs),
-            "not_copied": [f"{name} (larger than {DOC_LIMIT >> 20} MiB)" for name in self.large],
+            "files": list(self.files),
+            "not_copied": [f"{name} ({why})" for name, why in self.not_copied.items()],
         }
+
+    def __bool__(self) -> bool:
+        """Whether the report needs a ``carried`` entry."""
+        return bool(self.skipped or self.files or self.not_copied)
 
 
 def input_folder(resolved) -> Path | None:
@@ -95,13 +105,35 @@ def input_folder(resolved) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
-def doc_files(folder: Path) -> tuple[list[str], list[str]]:
-    """``(files to copy, files too large)``: the model card and licence files of ``folder``."""
-    docs, large = [], []
-    for path in sorted(folder.iterdir()):
-        if DOC_PATTERN.fullmatch(path.name) and path.is_file():
-            (docs if path.stat().st_size <= DOC_LIMIT else large).append(path.name)
-    return docs, large
+def _checkpoint_files(folder: Path) -> set[str]:
+    """The input checkpoint's own weight files in ``folder`` (rewritten as the output's weights): its
+    safetensors files, else its PyTorch ``.bin`` files, with their index."""
+    safetensors = {p.name for p in folder.glob("*.safetensors")}
+    if safetensors:
+        return safetensors | {CHECKPOINT_INDEXES[0]}
+    return {p.name for p in folder.glob("pytorch_model*.bin")} | {CHECKPOINT_INDEXES[1]}
+
+
+def extra_files(folder: Path) -> tuple[list[str], dict[str, str]]:
+    """``(files to copy, {file: why not copied})``: every file under ``folder`` but its checkpoint (see the
+    module docstring), as paths relative to ``folder`` with ``/``; symlinks are followed."""
+    checkpoint = _checkpoint_files(folder)
+    copy, not_copied = [], {}
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(names):
+            path = Path(root) / name
+            rel = path.relative_to(folder).as_posix()
+            if name.startswith(".") or not path.is_file() or rel in checkpoint:
+                continue
+            if rel.lower().endswith(WEIGHT_SUFFIXES) or rel.endswith(CHECKPOINT_INDEXES):
+                not_copied[rel] = "weights or training state of the original, not the converted model's"
+            elif path.stat().st_size > FILE_LIMIT:
+                limit = f"{FILE_LIMIT >> 20} MiB" if FILE_LIMIT >= 1 << 20 else f"{FILE_LIMIT} bytes"
+                not_copied[rel] = f"larger than {limit}"
+            else:
+                copy.append(rel)
+    return sorted(copy), dict(sorted(not_copied.items()))
 
 
 def checkpoint_tensors(folder: Path) -> list[str]:
@@ -213,13 +245,13 @@ def gather(resolved, model: torch.nn.Module | None = None) -> InputFiles:
     folder = input_folder(resolved)
     if folder is None or not folder.is_dir():
         return InputFiles()
-    docs, large = doc_files(folder)
+    copy, not_copied = extra_files(folder)
     names, skipped = [], []
     if model is not None:
         names = InputTensors(folder).names
         known = saved_names(model) if names else set()
         skipped = [n for n in names if n not in known]
-    return InputFiles(folder, skipped, docs, large, shard_size(folder), names=names)
+    return InputFiles(folder, skipped, copy, not_copied, shard_size(folder), names=names)
 
 
 def loader_ignores(model: torch.nn.Module, names) -> set[str]:
@@ -296,14 +328,19 @@ def keep_final_norms(model: torch.nn.Module, sites, skipped: list[str]) -> list[
     return kept
 
 
-def copy_docs(inputs: InputFiles, dest: Path) -> list[str]:
-    """Copy ``inputs.docs`` into ``dest`` (contents, symlinks followed), never over a file already there;
-    returns the names copied."""
+def copy_files(inputs: InputFiles, dest: Path) -> list[str]:
+    """Copy ``inputs.files`` into ``dest`` (contents, symlinks followed, subfolders made), never over a file
+    already there (what transformers and normswap wrote wins); returns the paths copied and leaves in
+    ``inputs.files`` exactly those, and in ``inputs.not_copied`` only what ``dest`` does not hold."""
     copied = []
-    for name in inputs.docs:
-        if not (dest / name).exists():
-            shutil.copyfile(inputs.folder / name, dest / name)
-            copied.append(name)
+    for rel in inputs.files:
+        target = dest / rel
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(inputs.folder / rel, target)
+            copied.append(rel)
+    inputs.files = copied
+    inputs.not_copied = {rel: why for rel, why in inputs.not_copied.items() if not (dest / rel).exists()}
     return copied
 
 

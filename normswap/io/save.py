@@ -334,7 +334,9 @@ def _write_staged(stage: Staging, model, tokenizer, manifest: dict, inputs, sour
     with stage.writing():
         write_checkpoint(model, tokenizer, manifest, stage.path, max_shard_size=inputs.shard_size)
         carried = carry.append_tensors(stage.path, inputs.folder, inputs.skipped, dtype, inputs.shard_size)
-        carry.copy_docs(inputs, stage.path)
+        carry.copy_files(inputs, stage.path)
+    if inputs:  # what was copied is known only now (a file the output already held is not copied)
+        manifest["carried"] = inputs.to_dict()
     carry.check_complete(source, inputs, stage.path, set(model.state_dict()))
     staging.at_stage("written")
     return carried

@@ -87,12 +87,18 @@ def not_replaceable(out: Path) -> str | None:
     if listed is None:
         return f"is not a normswap output (no {MANIFEST} listing its files) and holds {_some(entries)}"
     foreign, changed = [], []
-    for path in entries:
-        if path.name == MANIFEST:
+    folders = {parent.as_posix() for name in listed for parent in Path(name).parents if parent != Path(".")}
+    pending = entries
+    while pending:  # into the subfolders that normswap wrote only
+        path = pending.pop()
+        rel = path.relative_to(out).as_posix()
+        if rel == MANIFEST:
             continue
-        if path.is_symlink() or not path.is_file() or path.name not in listed:
+        if path.is_dir() and not path.is_symlink() and rel in folders:
+            pending.extend(path.iterdir())
+        elif path.is_symlink() or not path.is_file() or rel not in listed:
             foreign.append(path)
-        elif path.stat().st_size != listed[path.name]:
+        elif path.stat().st_size != listed[rel]:
             changed.append(path)
     if foreign:
         return f"holds what normswap did not write: {_some(foreign)}"
@@ -206,8 +212,10 @@ def _recover(out: Path) -> list[Path]:
 
 
 def file_sizes(folder: Path) -> dict[str, int]:
-    """``{name: size in bytes}`` of every file in ``folder`` but the manifest (the ``output`` marker)."""
-    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    """``{path: size in bytes}`` of every file under ``folder`` but the manifest (the ``output`` marker);
+    paths relative to ``folder`` with ``/`` (a copied ``1_Pooling/config.json`` is one entry)."""
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.relative_to(folder).as_posix() != MANIFEST}  # fmt: skip
 
 
 class Staging:

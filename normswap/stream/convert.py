@@ -263,7 +263,7 @@ def _write_metadata(source: Source, plans, folder: Path, config, inputs) -> None
         shutil.copyfile(generation, folder / "generation_config.json")
     if source.tokenizer is not None:
         source.tokenizer.save_pretrained(folder)
-    carry.copy_docs(inputs, folder)
+    carry.copy_files(inputs, folder)
     if source.trust_remote_code and getattr(config, "auto_map", None):
         for code in sorted(Path(source.reader.folder).glob("*.py")):  # what config.auto_map names
             if not (folder / code.name).exists():
@@ -385,7 +385,7 @@ def convert_streamed(
             report.check = checked.to_dict()
             data = report_dict(report, source.info)
             data["streamed"] = {"shards": len(source.reader.files), "processes": dist.world_size()}
-            if inputs.skipped or inputs.docs or inputs.large:
+            if inputs:
                 data["carried"] = inputs.to_dict()
             files.write_json(built / MANIFEST, data)
             staging.at_stage("written")
