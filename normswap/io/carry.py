@@ -43,7 +43,7 @@ import torch
 
 from normswap.errors import NormswapError
 
-FILE_LIMIT = 64 << 20  # bytes: configuration, templates, cards and code are far smaller; a larger file is named
+FILE_LIMIT = 64 << 20  # bytes: configuration, templates, cards and code are far smaller; larger: named
 # suffixes of weight and training-state files: the original's, so never copied beside the converted weights
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx",
                    ".onnx_data", ".tflite", ".ot", ".npz", ".npy", ".pkl", ".pickle", ".joblib")  # fmt: skip

@@ -214,8 +214,10 @@ def _recover(out: Path) -> list[Path]:
 def file_sizes(folder: Path) -> dict[str, int]:
     """``{path: size in bytes}`` of every file under ``folder`` but the manifest (the ``output`` marker);
     paths relative to ``folder`` with ``/`` (a copied ``1_Pooling/config.json`` is one entry)."""
-    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
-            if p.is_file() and not p.is_symlink() and p.relative_to(folder).as_posix() != MANIFEST}  # fmt: skip
+    sizes = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
+             if p.is_file() and not p.is_symlink()}  # fmt: skip
+    sizes.pop(MANIFEST, None)
+    return sizes
 
 
 class Staging:
