@@ -65,16 +65,19 @@ class ConvertReport:
 
 def _rotate(model: nn.Module, rotation_plan, result: Walk, folding, kind: str, seed: int):
     """Fold the stream norms and rotate (``normswap.rotate.apply``); the ``Rotation`` record."""
+    from normswap.fold import scale_and_shift
     from normswap.rotate import Rotation, apply, make_matrices
 
     matrices = make_matrices(rotation_plan, kind, seed)
     folded = {s.name for s in folding.sites} & set(rotation_plan.stream_sites)
+    by_name = {s.name: s for s in result.sites}
+    kept = {n: scale_and_shift(by_name[n], model.get_submodule(n))[0] for n in rotation_plan.kept_bias}
     tensors = apply(model, rotation_plan, result.sites, folded, matrices)
     for name in rotation_plan.kept_bias:
         site = next(s for s in result.sites if s.name == name)
         site.reason = f"scale folded, bias kept on the norm and rotated ({site.reason})"
     log.info("rotated the residual stream: %s", matrices["Q"].description)
-    return Rotation(kind, seed, matrices, tensors, rotation_plan)
+    return Rotation(kind, seed, matrices, tensors, rotation_plan, kept_scales=kept)
 
 
 def _model_name(model: nn.Module) -> str:

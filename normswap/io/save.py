@@ -277,6 +277,7 @@ def save_converted(
     overwrite: bool = False,
     *,
     input_path: str | os.PathLike | None = None,
+    extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write ``model`` (converted in place), its tokenizer and the report to ``out_dir``, atomically.
 
@@ -300,6 +301,9 @@ def save_converted(
         out_dir: the output directory; its parent is created if needed.
         overwrite: replace an existing ``out_dir``.
         input_path: the MODEL argument the model came from, to refuse an ``out_dir`` inside it.
+        extra_tensors: more safetensors files to write with the checkpoint, as ``{relative path: {name:
+            tensor}}`` (a rotation's matrices, ``normswap.rotate.ROTATION_FILE``); a path in a subfolder
+            keeps loaders that read every top-level ``*.safetensors`` as weights from reading them.
 
     Returns:
         the absolute output directory.
@@ -329,6 +333,11 @@ def save_converted(
                 model.save_pretrained(built)
             if tokenizer is not None:
                 tokenizer.save_pretrained(built)
+            for relative, tensors in (extra_tensors or {}).items():
+                from safetensors.torch import save_file
+
+                (built / relative).parent.mkdir(parents=True, exist_ok=True)
+                save_file(tensors, str(built / relative))
             (built / MANIFEST).write_text(files.to_json(manifest))
             files.apply_umask(built)
             _replace_dir(built, out, overwrite)

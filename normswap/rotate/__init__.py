@@ -15,7 +15,8 @@ The steps, one module each:
 * ``plan``: the stream norms, writers and readers from the dataflow, and every refusal (``RotationError``),
   before anything changes;
 * ``heads``: the per-head value/output rotation (``rotate_heads``);
-* ``apply``: the float64 arithmetic, each tensor rounded once; the record ``TensorRotation``.
+* ``apply``: the float64 arithmetic, each tensor rounded once; the record ``TensorRotation``;
+* ``report``: the CLI's lines and the check of the saved matrices.
 
 ``normswap.convert(model, rotate="hadamard")`` runs them around the fold; ``Rotation`` is what it returns
 in ``ConvertReport.rotation``, and what the saved checkpoint holds (``ROTATION_FILE``, named in
@@ -32,6 +33,7 @@ import torch
 from normswap.rotate.apply import TensorRotation, apply, transform
 from normswap.rotate.matrix import KINDS, Matrix, generator, make
 from normswap.rotate.plan import RotationError, RotationPlan, check_folding, plan_rotation
+from normswap.rotate.report import check_saved, rotate_reference, summary_lines
 
 __all__ = [
     "KINDS",
@@ -42,8 +44,11 @@ __all__ = [
     "TensorRotation",
     "apply",
     "check_folding",
+    "check_saved",
     "make_matrices",
     "plan_rotation",
+    "rotate_reference",
+    "summary_lines",
     "transform",
 ]
 
@@ -81,6 +86,7 @@ class Rotation:
     plan: RotationPlan | None = None
     centered: bool = False
     not_centered: str | None = None
+    kept_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # kept-bias norm -> its float64 scale
 
     @property
     def Q(self) -> torch.Tensor:  # noqa: N802 - the matrix's name in every paper

@@ -236,11 +236,23 @@ def apply(
         rec.rotations.append((axis, "Q", None if target.index is None else [target.index]))
     heads = getattr(plan, "heads", None)
     if heads is not None:
+        # a bias that centering added to a value projection after planning (config flag) rotates with it
+        bias_of = {c.param: c.bias for s in sites for c in s.consumers if c.bias is not None}
+        done: set[int] = set()
         for target in heads.targets:
             p = _tensor(model, target.holder)
-            rec = entry(p)
-            rec.sides.append(target.side)
-            rec.rotations.append((target.axis % p.ndim, "H", target.groups))
+            extra = []
+            if target.side == "head output" and p.ndim >= 2 and names.get(id(p)) in bias_of:
+                bias = model.get_parameter(bias_of[names[id(p)]])
+                if bias.ndim == 1 and bias.shape[0] == p.shape[target.axis]:
+                    extra.append(bias)
+            for q, axis in [(p, target.axis % p.ndim)] + [(b, 0) for b in extra]:
+                if (id(q), axis, target.side) in done:
+                    continue
+                done.add((id(q), axis, target.side))
+                rec = entry(q)
+                rec.sides.append(target.side)
+                rec.rotations.append((axis, "H", target.groups))
     values = {name: m.values for name, m in matrices.items()}
     new: list[tuple[torch.Tensor, torch.Tensor]] = []
     for key, rec in records.items():
