@@ -574,7 +574,7 @@ def _rotation_cell(r: ZooResult) -> str:
     if not math.isnan(rot.reload_diff):
         text += f", reload {magnitude_bound(rot.reload_diff)}"
     if rot.heads is not None:
-        text += f"; heads {rot.heads}"
+        text += f"; heads refused ({rot.heads.removeprefix('cannot rotate the attention heads in ')})"
     return text
 
 

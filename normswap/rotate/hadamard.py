@@ -15,7 +15,8 @@ and Their Applications", 2007, sec. 1.2):
 ``construction(n)`` finds a recipe as a Kronecker product of these, preferring the largest power-of-two
 Sylvester factor (as QuaRot's ``get_hadK`` does: ``n = 2^k · m`` with ``m`` one of a few small orders).
 This covers QuaRot's orders 12, 20, 28, 36, 40, 52, 60, 108, 140 times powers of two (and many more:
-44, 68, 76, 84, 100, ...), not 156 or 172, which need Williamson matrices found by computer search:
+44, 68, 76, 84, 100, ...), and 156 and 172 times 2^k for k >= 1 (312 = 311 + 1 and 344 = 7^3 + 1 are Paley I
+orders), but not 156 and 172 themselves (nor 92), which need Williamson matrices found by computer search:
 ``hadamard`` returns None for those and for any order with no recipe here (the caller then uses a random
 orthogonal matrix and says so). Every Paley factor is checked (``H Hᵀ = n I``) as it is built.
 """

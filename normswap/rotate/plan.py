@@ -13,8 +13,9 @@ Everything comes from the dataflow of one recorded forward (``normswap.center.re
    norm must see each writer's features as one row, so that ``h -> h Q`` in the stream is ``v -> v Q`` on
    that row of every writer;
 4. **readers**: every tensor of the stream may be read only by the stream's own sums and views, by stream
-   norms, or returned (a hidden state); each stream norm's output only by linear maps (the walk's
-   consumers), whose weights are rotated on their input axis;
+   norms, by ``F.linear`` as its input (a reader without a norm), or returned (a hidden state); each
+   stream norm's output only by linear maps (the walk's consumers); the weights of both are rotated on
+   their input axis;
 5. **weights**: every stream norm must end weightless (its scale folded into its consumers, or constant),
    since ``RMSNorm(h Q) = RMSNorm(h) Q`` only then; a norm whose bias no consumer can take keeps it, divided
    by its scale, and that bias is rotated.
@@ -252,7 +253,7 @@ def plan_rotation(
     plan = RotationPlan(width=width, stream_sites=stream, table_sites=tables)
     plan.keep_ones = any(sites[n].kind == "layernorm" for n in stream + tables)
     rows = _rows(finder, stream + tables, index, feeds, writes, width)
-    _check_readers(rec, cone, set(stream) | set(tables), plan)
+    _check_readers(finder, cone, set(stream) | set(tables), plan)
     for ws in writes.values():
         for w in ws:
             if w.table is not None:  # the table's own lookup (the table norm's input) is its write
@@ -311,12 +312,17 @@ def _rows(finder, names, index, feeds, writes, width) -> dict[tuple[str, int], t
     return rows
 
 
-def _check_readers(rec: Recorder, cone: set[Key], norms: set[str], plan: RotationPlan) -> None:
-    """Every tensor of the stream is read by the stream's own ops, by stream norms, or returned."""
+def _check_readers(finder: Writers, cone: set[Key], norms: set[str], plan: RotationPlan) -> None:
+    """Every tensor of the stream is read by the stream's own ops, by stream norms, by ``F.linear`` as its
+    input (a reader without a norm: its weight rotates on the input axis, ``plan.readers``), or returned."""
     from normswap.center.readers import in_order
 
+    rec = finder.rec
     for k in in_order(rec, cone):
         for use in rec.uses.get(k, []):
+            if not isinstance(use, tuple) and use.op == "linear" and use.operands.get(0) == k:
+                plan.readers.append(_direct_reader(finder, use))
+                continue
             if isinstance(use, tuple):
                 kind, site = use
                 if kind == "norm" and site in norms:
@@ -332,12 +338,26 @@ def _check_readers(rec: Recorder, cone: set[Key], norms: set[str], plan: Rotatio
             where = ops.where(use)
             if use.op in ops.LINEAR:
                 raise RotationError(
-                    f"cannot rotate: the residual stream is read directly (not through a norm) by {where}"
+                    f"cannot rotate: the residual stream is read directly (not through a norm) by {where}, "
+                    "not as the input of F.linear"
                 )
             raise RotationError(
                 f"cannot rotate: the residual stream is read by {where}, which is not a linear map of it "
                 "(a non-linear reader of the stream)"
             )
+
+
+def _direct_reader(finder: Writers, node) -> Target:
+    """The input-side target of ``F.linear(stream, W)`` (no norm between: ``x W^T = (x Q)(W Q)^T``)."""
+    wkey = node.operands.get(1, node.operands.get("weight"))
+    ref = finder.param_ref(wkey) if wkey is not None else None
+    if ref is None or ref.dims[-1] is None:
+        raise RotationError(
+            f"cannot rotate: the residual stream is read directly by {ops.where(node)}, whose weight is not "
+            "a parameter"
+        )
+    holder = _holder(_owners(finder.rec, ref.param), node.module, ref.param)
+    return Target(holder, ref.dims[-1], "input", module=node.module)
 
 
 def _readers(walk: Walk, site: NormSite, width: int) -> list[Target]:
