@@ -65,10 +65,18 @@ class TensorRotation:
             "divide_by_scale_of": self.divide,
             "absorbs_bias_of": self.shift,
             "rotations": [
-                {"axis": a, "matrix": m, "index": "all" if g is None else [x.tolist() for x in g]}
+                {"axis": a, "matrix": m, "index": "all" if g is None else [_indices(x) for x in g]}
                 for a, m, g in self.rotations
             ],
         }
+
+
+def _indices(index: torch.Tensor) -> str | list[int]:
+    """``"start:stop"`` for consecutive indices (a head's rows), else the list."""
+    values = index.tolist()
+    if values and values == list(range(values[0], values[0] + len(values))):
+        return f"{values[0]}:{values[0] + len(values)}"
+    return values
 
 
 def _blocks(shape: tuple[int, ...], axes: set[int]):
@@ -177,6 +185,9 @@ def apply(
 
     Every new value is computed (float64, from the current values) before any is assigned, so an error
     while computing leaves the model as it was; the assignments are same-shape in-place copies.
+
+    Raises:
+        RotationError: a new value would not fit the tensor's dtype (float16's 65504), before any assignment.
     """
     names = _names(model)
     by_site = {s.name: s for s in sites}
@@ -259,7 +270,13 @@ def apply(
         p = tensors[key]
         scale = (rec.scale[0], scales[key]) if rec.scale is not None else None
         on = {n: v.to(p.device) for n, v in values.items()}
-        new.append((p, transform(p, on, scale, divides.get(key), rec.rotations, adds.get(key))))
+        value = transform(p, on, scale, divides.get(key), rec.rotations, adds.get(key))
+        if p.is_floating_point() and bool((~torch.isfinite(value) & torch.isfinite(p)).any()):
+            from normswap.rotate.plan import RotationError
+
+            limit = torch.finfo(p.dtype).max
+            raise RotationError(f"cannot rotate: {rec.name} would leave the range of {p.dtype} ({limit:.6g})")
+        new.append((p, value))
     for p, value in new:
         p.copy_(value)
     for p, value in fills:
