@@ -346,3 +346,19 @@ def test_smollm2_rotated_command(tmp_path):
         for h0, h1 in zip(before.hidden_states[:-1], after.hidden_states[:-1], strict=True)
     )
     assert worst <= 1e-5  # relative to each state's largest entry (they reach ~100 in SmolLM2)
+
+
+def test_a_rotation_that_overflows_float16_is_refused():
+    """A float16 embedding row equal to 70000 times Q's first column (entries +-8750, which fit) rotates to
+    70000 in one feature, beyond float16's 65504: refused, naming the table, before any rotated value is
+    assigned."""
+    from normswap.rotate.matrix import generator, make
+
+    model = _entry("llama").half()
+    q = make("Q", 64, "hadamard", generator(0)).values  # the matrix convert will draw (seed 0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5] = (70000.0 * q[:, 0]).half()
+    before = model.model.embed_tokens.weight.detach().clone()
+    with pytest.raises(RotationError, match="embed_tokens.weight would leave the range of torch.float16"):
+        normswap.convert(model, rotate="hadamard")
+    assert torch.equal(model.model.embed_tokens.weight, before)
