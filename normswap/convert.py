@@ -224,20 +224,23 @@ def convert(
                      folding.untie_bytes)  # fmt: skip
         untied = untie_checked(model, folding, inputs)
         stream = set()
-        if rotation_plan is not None:
-            from normswap.rotate import check_folding
+        if rotation_plan is not None:  # before any fold: a refusal undoes the untying
+            from normswap.rotate import RotationError, check_folding
 
-            check_folding(model, result, rotation_plan, folding, untied)  # refusal: untying undone
-            stream = set(rotation_plan.stream_sites)
+            check_folding(model, result, rotation_plan, folding, untied)
+            stream = set(rotation_plan.stream_sites)  # these fold in the rotation's float64 pass
+            try:
+                report.rotation = _rotate(model, rotation_plan, result, folding, rotate, rotate_seed)
+            except RotationError:
+                untied.restore()
+                raise
+            report.rotation.centered = centering is not None and centering.note is None
+            report.rotation.not_centered = not_centered
         report.untied = untied.names
         report.untie_bytes = folding.untie_bytes
         for site in folding.sites:
-            if site.name not in stream:  # a stream norm folds in the rotation's float64 pass
+            if site.name not in stream:
                 fold_site(model, site)
-        if rotation_plan is not None:
-            report.rotation = _rotate(model, rotation_plan, result, folding, rotate, rotate_seed)
-            report.rotation.centered = centering is not None and centering.note is None
-            report.rotation.not_centered = not_centered
         report.norms_folded = len(folding.sites)
     else:
         for site in result.sites:

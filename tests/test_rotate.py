@@ -350,15 +350,16 @@ def test_smollm2_rotated_command(tmp_path):
 
 def test_a_rotation_that_overflows_float16_is_refused():
     """A float16 embedding row equal to 70000 times Q's first column (entries +-8750, which fit) rotates to
-    70000 in one feature, beyond float16's 65504: refused, naming the table, before any rotated value is
-    assigned."""
+    70000 in one feature, beyond float16's 65504: refused, naming the table, the model as it was."""
     from normswap.rotate.matrix import generator, make
 
-    model = _entry("llama").half()
+    model = _entry("llama-tied").half()
     q = make("Q", 64, "hadamard", generator(0)).values  # the matrix convert will draw (seed 0)
     with torch.no_grad():
         model.model.embed_tokens.weight[5] = (70000.0 * q[:, 0]).half()
-    before = model.model.embed_tokens.weight.detach().clone()
-    with pytest.raises(RotationError, match="embed_tokens.weight would leave the range of torch.float16"):
+    state = _state(model)
+    with pytest.raises(RotationError, match=r"(embed_tokens|lm_head)\.weight would leave the range of torch"):
         normswap.convert(model, rotate="hadamard")
-    assert torch.equal(model.model.embed_tokens.weight, before)
+    after = _state(model)  # nothing folded, lm_head tied again
+    assert state.keys() == after.keys() and all(torch.equal(state[k], after[k]) for k in state)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
