@@ -18,8 +18,8 @@ activations' max/RMS ratio at the same linear inputs (per token: ``max |x| / sqr
 max over every token of every input), the outliers a rotation spreads.
 
 No real LayerNorm language model is available offline here (``minilm-l6`` is a post-LN encoder, which no
-rotation can pass), so the LayerNorm model is a 4-layer GPT-2 (hidden 256, 4 heads, bytes as tokens:
-vocabulary 256) trained for ``--ln-steps`` steps (AdamW, batch 16 x 256 bytes, cosine schedule) on
+rotation can pass), so the LayerNorm model is a 4-layer GPT-2 (hidden 128, 4 heads, bytes as tokens:
+vocabulary 256) trained for ``--ln-steps`` steps (AdamW, batch 8 x 128 bytes, cosine schedule) on
 Python's pydoc topics from a fixed seed, and evaluated on the first ``--tokens`` bytes of the same held
 text: small, but a trained LayerNorm model with biases, whose rotation needs the centering and ``Q 1 = 1``.
 Results (JSON and a Markdown table) go to --out; docs/ROTATION.md quotes them with the command, date and
@@ -193,23 +193,25 @@ def byte_ids(text: str):
 
 
 def train_ln_model(steps: int, seed: int = 0):
-    """A 4-layer GPT-2 (LayerNorm, hidden 256, bytes as tokens) trained on pydoc topics for ``steps`` steps
-    (AdamW, batch 16 x 256 bytes, cosine schedule from 3e-3), float32, eval mode."""
+    """A 4-layer GPT-2 (LayerNorm, hidden 128, bytes as tokens) trained on pydoc topics for ``steps`` steps
+    (AdamW, batch 8 x 128 bytes, cosine schedule from 3e-3), float32, eval mode."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from normswap.check.text import default_text
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=256, n_positions=1024, n_embd=256, n_layer=4, n_head=4)
+    config = GPT2Config(vocab_size=256, n_positions=1024, n_embd=128, n_layer=4, n_head=4)
     model = GPT2LMHeadModel(config)
     data = byte_ids(default_text())[0]
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     model.train()
     for step in range(steps):
-        starts = torch.randint(0, data.numel() - 257, (16,), generator=gen)
-        batch = torch.stack([data[s : s + 256] for s in starts.tolist()])
+        if step % 50 == 0:
+            print(f"training step {step}/{steps}", file=sys.stderr, flush=True)
+        starts = torch.randint(0, data.numel() - 129, (8,), generator=gen)
+        batch = torch.stack([data[s : s + 128] for s in starts.tolist()])
         loss = model(input_ids=batch, labels=batch).loss
         opt.zero_grad()
         loss.backward()
@@ -231,7 +233,7 @@ def markdown(name: str, results: dict, note: str) -> str:
 @click.command()
 @click.option("--model", default="smollm2-135m", show_default=True, help="The RMSNorm model (MODEL).")
 @click.option("--tokens", default=1024, show_default=True, help="Tokens of held text (one window).")
-@click.option("--ln-steps", default=1500, show_default=True, help="LayerNorm GPT-2 training steps (0: none).")
+@click.option("--ln-steps", default=400, show_default=True, help="LayerNorm GPT-2 training steps (0: none).")
 @click.option("--skip-model", is_flag=True, help="Only the LayerNorm GPT-2.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results",
               show_default=True)  # fmt: skip
@@ -256,7 +258,7 @@ def main(model, tokens, ln_steps, skip_model, out):
         ln_ids = byte_ids(held_text())[:, : min(tokens, ln.config.n_positions)]
         models, note = variants(ln, ln_ids)
         note = f"bytes as tokens, trained {ln_steps} steps in {time.time() - t0:.0f} s; " + note
-        name = "GPT-2 4 x 256 (LayerNorm, trained here)"
+        name = "GPT-2 4 x 128 (LayerNorm, trained here)"
         runs[name] = ({n: evaluate(m, ln_ids) for n, m in models.items()}, note)
         click.echo(markdown(name, *runs[name]) + "\n")
     out.mkdir(parents=True, exist_ok=True)
