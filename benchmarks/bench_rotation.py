@@ -15,7 +15,9 @@ model centered first). Under round-to-nearest fake quantization (symmetric, scal
 each variant's perplexity on ``--tokens`` tokens of a text the project uses nowhere else (Python's
 ``LICENSE.txt``, shipped with every Python: English prose), one window, float32 on the CPU; and the
 activations' max/RMS ratio at the same linear inputs (per token: ``max |x| / sqrt(mean x^2)``; median and
-max over every token of every input), the outliers a rotation spreads.
+max over every token), the outliers a rotation spreads, separately for the linear maps that read a norm
+(q/k/v, gate/up: what the stream's rotation changes) and the others (o_proj, down_proj, which read values
+inside a block that the stream's rotation does not touch).
 
 No real LayerNorm language model is available offline here (``minilm-l6`` is a post-LN encoder, which no
 rotation can pass), so the LayerNorm model is a 4-layer GPT-2 (hidden 128, 4 heads, bytes as tokens:
@@ -118,14 +120,16 @@ def quantized_weights(model, bits: int, group: int | None):
 
 @contextlib.contextmanager
 def quantized_inputs(model, bits: int | None, stats: list | None = None):
-    """Every linear input (not the head's) fake-quantized per token; ``stats`` collects each input's per-token
-    max/RMS ratios (before quantization)."""
+    """Every linear input (not the head's) fake-quantized per token; ``stats`` collects ``(module name,
+    per-token max/RMS ratios)`` of each input (before quantization)."""
+    names = {id(m): n for n, m, _ in linears(model)}
 
     def hook(module, args):
         x = args[0]
         if stats is not None:
             flat = x.detach().reshape(-1, x.shape[-1]).double()
-            stats.append((flat.abs().amax(-1) / flat.pow(2).mean(-1).sqrt().clamp(min=1e-30)).cpu())
+            ratio = (flat.abs().amax(-1) / flat.pow(2).mean(-1).sqrt().clamp(min=1e-30)).cpu()
+            stats.append((names[id(module)], ratio))
         if bits is None:
             return None
         return (rtn(x, bits, dim=-1), *args[1:])
@@ -147,7 +151,13 @@ def perplexity(model, ids) -> float:
     return math.exp(nll.item())
 
 
-def evaluate(model, ids) -> dict:
+STATS = ("norm readers: median", "norm readers: max", "other linears: median", "other linears: max")
+
+
+def evaluate(model, ids, readers: set[str]) -> dict:
+    """Perplexity under each of ``CONFIGS``, and the max/RMS ratio of the inputs of the linear maps that read
+    a norm (``readers``: q/k/v, gate/up: what the rotation of the stream changes) and of the others (o_proj,
+    down_proj: not on the stream)."""
     import torch
 
     out = {}
@@ -162,19 +172,21 @@ def evaluate(model, ids) -> dict:
             stats: list = []
             with quantized_inputs(model, None, stats):
                 out[config] = perplexity(model, ids)
-            ratios = torch.cat(stats)
-            out["max/rms median"] = ratios.median().item()
-            out["max/rms max"] = ratios.max().item()
+            for label, keep in (("norm readers", True), ("other linears", False)):
+                ratios = torch.cat([r for name, r in stats if (name in readers) is keep])
+                out[f"{label}: median"] = ratios.median().item()
+                out[f"{label}: max"] = ratios.max().item()
     return out
 
 
 def variants(model, ids) -> dict:
-    """``{"original", "folded", "rotated"}`` (deep copies converted with normswap) and the rotation's
-    description."""
+    """``{"original", "folded", "rotated"}`` (deep copies converted with normswap), the rotation's
+    description, and the names of the linear maps that read a norm (found by ``normswap.inspect``)."""
     import torch
 
     import normswap
 
+    readers = {c.module for site in normswap.inspect(model, ids[:, :32]) for c in site.consumers}
     folded, rotated = copy.deepcopy(model), copy.deepcopy(model)
     normswap.convert(folded, input_ids=ids[:, :32])
     report = normswap.convert(rotated, input_ids=ids[:, :32], rotate="hadamard")
@@ -183,7 +195,7 @@ def variants(model, ids) -> dict:
         b = rotated(input_ids=ids, use_cache=False).logits
     diff = (a - b).abs().max().item()
     note = f"{report.rotation.matrices['Q'].description}; max |logit diff| vs original {diff:.2g}"
-    return {"original": model, "folded": folded, "rotated": rotated}, note
+    return {"original": model, "folded": folded, "rotated": rotated}, note, readers
 
 
 def byte_ids(text: str):
@@ -224,8 +236,8 @@ def train_ln_model(steps: int, seed: int = 0):
 def markdown(name: str, results: dict, note: str) -> str:
     cols = ("original", "folded", "rotated")
     lines = [f"**{name}** ({note})", "", "| | " + " | ".join(cols) + " |", "|---|---:|---:|---:|"]
-    for row in (*CONFIGS, "max/rms median", "max/rms max"):
-        label = f"ppl, {row}" if row in CONFIGS else f"activations {row}"
+    for row in (*CONFIGS, *STATS):
+        label = f"ppl, {row}" if row in CONFIGS else f"max/RMS, {row}"
         lines.append(f"| {label} | " + " | ".join(f"{results[c][row]:.2f}" for c in cols) + " |")
     return "\n".join(lines)
 
@@ -248,18 +260,18 @@ def main(model, tokens, ln_steps, skip_model, out):
     if not skip_model:
         loaded = load_model(model)
         ids = loaded.tokenizer(held_text(), return_tensors="pt").input_ids[:, :tokens]
-        models, note = variants(loaded.model.eval(), ids)
-        runs[model] = ({name: evaluate(m, ids) for name, m in models.items()}, note)
+        models, note, readers = variants(loaded.model.eval(), ids)
+        runs[model] = ({name: evaluate(m, ids, readers) for name, m in models.items()}, note)
         click.echo(markdown(model, *runs[model]) + "\n")
         del models, loaded
     if ln_steps:
         t0 = time.time()
         ln = train_ln_model(ln_steps)
         ln_ids = byte_ids(held_text())[:, : min(tokens, ln.config.n_positions)]
-        models, note = variants(ln, ln_ids)
+        models, note, readers = variants(ln, ln_ids)
         note = f"bytes as tokens, trained {ln_steps} steps in {time.time() - t0:.0f} s; " + note
         name = "GPT-2 4 x 128 (LayerNorm, trained here)"
-        runs[name] = ({n: evaluate(m, ln_ids) for n, m in models.items()}, note)
+        runs[name] = ({n: evaluate(m, ln_ids, readers) for n, m in models.items()}, note)
         click.echo(markdown(name, *runs[name]) + "\n")
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python benchmarks/bench_rotation.py " + " ".join(sys.argv[1:]),
