@@ -26,6 +26,7 @@ _LAZY = {
     "ConvertReport": "normswap.convert",
     "NormSite": "normswap.sites",
     "NormswapError": "normswap.errors",
+    "RotationError": "normswap.rotate",
     "check": "normswap.check",
     "convert": "normswap.convert",
     "inspect": "normswap.convert",

@@ -151,26 +151,48 @@ def main() -> None:
     "check runs on ids drawn from the vocabulary with a fixed seed].",
 )
 @click.option(
+    "--rotate",
+    type=click.Choice(["hadamard", "random"]),
+    default=None,
+    help="After folding, rotate the residual stream by an orthogonal Q: a randomized Hadamard matrix (a "
+    "random orthogonal one where no construction reaches the hidden size) or a random orthogonal one. Hidden "
+    "states become the original's (centered, for LayerNorm models) times Q, saved in "
+    "OUT/normswap/rotation.safetensors (docs/ROTATION.md).",
+)
+@click.option(
+    "--rotate-seed", type=int, default=0, show_default=True, help="Seed of the rotation's random draws."
+)
+@click.option(
+    "--rotate-heads",
+    is_flag=True,
+    help="With --rotate, also rotate each attention head's values and output projection by one H.",
+)
+@click.option(
     "--max-memory",
     metavar="SIZE",
     help="Hold at most about SIZE of weights (2GiB, 500MB, ...): a larger safetensors model directory is "
     "streamed shard by shard (docs/STREAMING.md).",
 )
 def convert(model, output, report, norm, dtype, trust_remote_code, device, device_map, tokens, force,
-            overwrite, no_untie, tokenizer_name, max_memory):  # fmt: skip
+            overwrite, no_untie, tokenizer_name, rotate, rotate_seed, rotate_heads, max_memory):  # fmt: skip
     """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
     from normswap import io
     from normswap.check import compare, reference_outputs
     from normswap.convert import convert as convert_model
     from normswap.convert import no_norms_message
     from normswap.io import carry
+    from normswap.rotate import ROTATION_FILE, check_saved, rotate_reference
     from normswap.walk import short_inputs, walk
 
     _quiet_transformers()
+    if rotate is None and (rotate_heads or rotate_seed != 0):
+        raise click.UsageError("--rotate-heads and --rotate-seed need --rotate hadamard|random")
     io.check_output_dir(output, model, overwrite=overwrite)
     report_file = None  # written by its absolute path: `--output .` may exchange the working directory
     if report is not None:
         report_file = io.check_output_file(report, [model], output)
+    if max_memory is not None and rotate is not None:
+        _refuse_streamed_rotation(model, max_memory, dtype, trust_remote_code, tokenizer_name)
     options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
                    overwrite=overwrite, no_untie=no_untie)  # fmt: skip
     if max_memory is not None and _convert_streamed(
@@ -190,8 +212,9 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     )
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
     inputs = carry.gather(loaded.info, loaded.model)  # tensors the class does not run, model card, shards
-    if norm != "keep":
-        carry.refuse_changed_stream(model, loaded.model, inputs.skipped, f"--norm {norm}")
+    if norm != "keep" or rotate is not None:
+        option = f"--norm {norm}" if rotate is None else f"--rotate {rotate}"
+        carry.refuse_changed_stream(model, loaded.model, inputs.skipped, option)
     input_ids, check_input = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens, loaded.model)
     _step("finding the norms and their consumers ...")
     traced = walk(loaded.model, short_inputs(input_ids))  # the dataflow does not depend on the length
@@ -203,7 +226,10 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     reference = reference_outputs(loaded.model, input_ids, sites=traced.sites)
     _step("converting ...")
     traced_with = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
-    result = convert_model(loaded.model, norm=norm, untie=not no_untie, traced=traced, **traced_with)
+    result = convert_model(loaded.model, norm=norm, untie=not no_untie, traced=traced, rotate=rotate,
+                           rotate_seed=rotate_seed, rotate_heads=rotate_heads, **traced_with)  # fmt: skip
+    if result.rotation is not None:  # the original's stream records, as the rotated model computes them
+        rotate_reference(reference, result.rotation)
     _step("checking the converted logits ...")
     checked = compare(reference, loaded.model, input_ids)
     result.check = checked.to_dict()
@@ -215,10 +241,13 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     saved = passed or force
     if saved:
         del traced, reference
+        rotation = result.rotation
+        extra = {} if rotation is None else {ROTATION_FILE: rotation.saved_tensors()}
         try:  # written and verified beside OUT; OUT is replaced only then (io.staging)
             verified = io.save_and_verify(
                 loaded, report_dict, output, input_ids, overwrite=overwrite, force=force, inputs=inputs,
-                input_path=model, trust_remote_code=trust_remote_code, step=_step,
+                input_path=model, trust_remote_code=trust_remote_code, step=_step, extra_tensors=extra,
+                check_extra=None if rotation is None else lambda folder: check_saved(folder, rotation),
             )  # fmt: skip
         except NormswapError:
             if report is not None:  # the report still tells what was converted, where it can be written
@@ -287,6 +316,19 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
         )
         raise SystemExit(1)
     return True
+
+
+def _refuse_streamed_rotation(model, max_memory, dtype, trust_remote_code, tokenizer) -> None:
+    """``--rotate`` with ``--max-memory``: refused in one line when the model would stream (the streamed path
+    does not rotate yet); a model that fits in the budget converts in memory as without ``--max-memory``."""
+    from normswap.stream import convert as stream
+
+    source = stream.open_source(model, dtype, trust_remote_code, tokenizer)
+    if source.nbytes > stream.parse_size(max_memory):
+        raise NormswapError(
+            f"--rotate is not available when streaming (the model exceeds --max-memory {max_memory}); "
+            "convert it in memory"
+        )
 
 
 def _check_ids(model: str, config, tokenizer, tokens: int | None, loaded=None):
@@ -401,6 +443,11 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
     untied = report.get("untied") or []
     if untied:
         lines.append(f"untied:   {', '.join(untied)} (+{_size(report.get('untie_bytes') or 0)})")
+    rotation = report.get("rotation")
+    if rotation:
+        from normswap.rotate import summary_lines
+
+        lines += summary_lines(rotation)
     check_input = report.get("check_input") or {}
     if check_input.get("source") == "vocabulary":
         lines.append(

@@ -33,6 +33,7 @@ class ConvertReport:
         untie_bytes: extra bytes those copies cost.
         untouched: 2-D+ parameters no op used in the trace (listed for the user to judge).
         check: the check result (``CheckResult.to_dict()``) when the caller ran one.
+        rotation: the residual-stream rotation (``normswap.rotate.Rotation``) when one was asked for.
     """
 
     model: str
@@ -45,8 +46,10 @@ class ConvertReport:
     untie_bytes: int = 0
     untouched: list[str] = field(default_factory=list)
     check: dict[str, Any] | None = None
+    rotation: Any = None
 
     def to_dict(self) -> dict[str, Any]:
+        extra = {"rotation": self.rotation.to_dict()} if self.rotation is not None else {}
         return {
             "model": self.model,
             "norm": self.norm,
@@ -58,7 +61,24 @@ class ConvertReport:
             "untouched": list(self.untouched),
             "sites": [s.to_dict() for s in self.sites],
             "check": self.check,
-        }
+        } | extra
+
+
+def _rotate(model: nn.Module, rotation_plan, result: Walk, folding, kind: str, seed: int):
+    """Fold the stream norms and rotate (``normswap.rotate.apply``); the ``Rotation`` record."""
+    from normswap.fold import scale_and_shift
+    from normswap.rotate import Rotation, apply, make_matrices
+
+    matrices = make_matrices(rotation_plan, kind, seed)
+    folded = {s.name for s in folding.sites} & set(rotation_plan.stream_sites)
+    by_name = {s.name: s for s in result.sites}
+    kept = {n: scale_and_shift(by_name[n], model.get_submodule(n))[0] for n in rotation_plan.kept_bias}
+    tensors = apply(model, rotation_plan, result.sites, folded, matrices)
+    for name in rotation_plan.kept_bias:
+        site = next(s for s in result.sites if s.name == name)
+        site.reason = f"scale folded, bias kept on the norm and rotated ({site.reason})"
+    log.info("rotated the residual stream: %s", matrices["Q"].description)
+    return Rotation(kind, seed, matrices, tensors, rotation_plan, kept_scales=kept)
 
 
 def _model_name(model: nn.Module) -> str:
@@ -125,6 +145,9 @@ def convert(
     input_ids: torch.Tensor | None = None,
     example_inputs=None,
     traced: Walk | None = None,
+    rotate: str | None = None,
+    rotate_seed: int = 0,
+    rotate_heads: bool = False,
 ) -> ConvertReport:
     """Fold every foldable norm into its consumers and swap every norm for a fused module, in place.
 
@@ -145,6 +168,13 @@ def convert(
             also used for the untie proof and the centering record.
         traced: a ``normswap.walk.walk(model, inputs)`` of this model taken just before (so a caller that
             needed the sites first, e.g. to record a reference, does not trace twice); walked here if None.
+        rotate: ``"hadamard"`` or ``"random"``: after folding, rotate the residual stream by an orthogonal
+            ``Q`` (hidden x hidden; a randomized Hadamard matrix where a construction is known, else a
+            seeded random orthogonal one); a LayerNorm model is centered first (as ``norm="rmsnorm"``) and
+            gets a ``Q`` with ``Q 1 = 1``. Every hidden state becomes the original's (centered) times ``Q``
+            (``report.rotation``, docs/ROTATION.md). Needs ``fold``.
+        rotate_seed: seed of the rotation's random signs or Gaussian matrix.
+        rotate_heads: also rotate each attention head's values and output projection (``--rotate-heads``).
 
     Returns:
         A ``ConvertReport``. Every parameter it creates is an ordinary tensor, also when called inside
@@ -155,6 +185,8 @@ def convert(
         NormswapError: the model has no norm.
         normswap.center.CenteringError: ``norm="rmsnorm"`` on a model that cannot be converted exactly (the
             model is left unchanged).
+        normswap.rotate.RotationError: ``rotate`` on a model whose stream cannot be rotated exactly (a
+            weighted post-norm, a non-linear reader of the stream, ...; the model is left unchanged).
     """
     if norm not in NORM_CHOICES:
         raise ValueError(f"norm must be one of {NORM_CHOICES}, got {norm!r}")
@@ -162,11 +194,30 @@ def convert(
     result = traced if traced is not None else walk(model, inputs)
     if not result.sites:
         raise NormswapError(f"{_model_name(model)}: {no_norms_message(result)}")
-    centering = None
+    rotation_plan = None
+    if rotate is not None:
+        from normswap.rotate import KINDS, plan_rotation
+
+        if rotate not in KINDS:
+            raise ValueError(f"rotate must be one of {KINDS}, got {rotate!r}")
+        if not fold:
+            raise ValueError("rotate needs fold=True: a rotation needs every norm on the stream weightless")
+        # checkpoint tensors the class does not run (an MTP layer) would read a rotated stream: the CLI
+        # refuses them before converting, save_converted(input_path=...) before writing (normswap.io.carry)
+        rotation_plan = plan_rotation(model, result, inputs, untie=untie, heads=rotate_heads)
+    centering = not_centered = None
     if norm == "rmsnorm":
         from normswap.center import center
 
         centering = center(model, result, inputs, untie=untie, add_biases=fold)
+    elif rotation_plan is not None and rotation_plan.keep_ones:  # LayerNorms read the stream: center first
+        from normswap.center import CenteringError, center
+
+        try:
+            centering = center(model, result, inputs, untie=untie, add_biases=fold)
+            norm = "rmsnorm"
+        except CenteringError as error:  # left unchanged: rotated uncentered, Q 1 = 1 keeps LayerNorm exact
+            not_centered = getattr(error, "what", None) or str(error)
     report = ConvertReport(
         model=_model_name(model), norm=norm, norms_found=len(result.sites), norms_folded=0, norms_swapped=0,
         sites=result.sites, untouched=result.untouched,
@@ -176,10 +227,25 @@ def convert(
         if folding.untie_bytes:
             log.info("untying %s costs %d extra bytes", ", ".join(f"{m}.{a}" for m, a in folding.untie),
                      folding.untie_bytes)  # fmt: skip
-        report.untied = untie_checked(model, folding, inputs).names
+        untied = untie_checked(model, folding, inputs)
+        stream = set()
+        if rotation_plan is not None:  # before any fold: a refusal undoes the untying
+            from normswap.rotate import RotationError, check_folding
+
+            check_folding(model, result, rotation_plan, folding, untied)
+            stream = set(rotation_plan.stream_sites)  # these fold in the rotation's float64 pass
+            try:
+                report.rotation = _rotate(model, rotation_plan, result, folding, rotate, rotate_seed)
+            except RotationError:
+                untied.restore()
+                raise
+            report.rotation.centered = centering is not None and centering.note is None
+            report.rotation.not_centered = not_centered
+        report.untied = untied.names
         report.untie_bytes = folding.untie_bytes
         for site in folding.sites:
-            fold_site(model, site)
+            if site.name not in stream:
+                fold_site(model, site)
         affine = plan_affine(model, result)  # BatchNorm / NoNorm: into a producer or consumers
         for site in affine:
             fold_affine(model, site)

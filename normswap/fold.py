@@ -214,14 +214,13 @@ def _same(a, b) -> bool:
 
 
 def scale_and_shift(site: NormSite, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The norm's effective float64 scale ``offset + w`` (shape ``(D,)``) and bias ``b`` (or None)."""
-    if site.weight:
-        w = getattr(module, site.weight).detach().double()
-    else:
-        device = getattr(module, site.bias).device if site.bias else "cpu"
-        w = torch.zeros(site.shape, dtype=torch.float64, device=device)
+    """The norm's effective float64 scale ``offset + w`` (shape ``(D,)``; ones for a norm without a weight)
+    and bias ``b`` (or None)."""
     b = getattr(module, site.bias).detach().double() if site.bias else None
-    return w + site.offset, b
+    if site.weight:
+        return getattr(module, site.weight).detach().double() + site.offset, b
+    device = b.device if b is not None else "cpu"
+    return torch.ones(site.shape, dtype=torch.float64, device=device), b
 
 
 _CHUNK = 1 << 22  # elements per float64 block: bounds the temporary memory of a fold to 32 MiB

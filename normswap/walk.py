@@ -174,6 +174,9 @@ class Walk:
             logged as a warning); such a module may be a norm that is left out of ``sites``.
         config_reads: attribute names the traced forward read on the config objects untying would change
             (``normswap.reads``); None when not recorded.
+        other_uses: for each site name, why each use of its output that is not a consumer is not one (the
+            ``reason`` of the walk's non-consumer uses, e.g. ``"is returned as a model output"``); a site
+            whose output only feeds consumers has none. ``normswap.rotate`` reads it.
     """
 
     sites: list[NormSite]
@@ -182,6 +185,7 @@ class Walk:
     untouched: list[str]
     probe_failures: dict[str, str] = field(default_factory=dict)
     config_reads: frozenset[str] | None = None
+    other_uses: dict[str, list[str]] = field(default_factory=dict)
 
 
 class _Tracer(TorchFunctionMode):
@@ -857,9 +861,11 @@ def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
     for site in sites:
         if site.foldable and site.producer is None:  # a fold into a producer reads no consumer
             _guard_untouched(site, untouched, tracer.params)
+    other_uses = {call.module: [u.reason for u in call.uses if u.reason is not None] for call in tracer.calls}
     return Walk(
         sites=sites, param_uses=dict(tracer.param_uses), owners=dict(tracer.owners), untouched=untouched,
         probe_failures=failures, config_reads=frozenset(tracer.config_reads),
+        other_uses={s.name: other_uses[s.name] for s in sites if other_uses.get(s.name)},
     )  # fmt: skip
 
 

@@ -465,6 +465,7 @@ class ZooResult:
     error: str | None = None
     sites: list = field(default_factory=list, repr=False)
     module_names: set[str] = field(default_factory=set, repr=False)
+    rotation: Rotated | None = None
 
     @property
     def passed(self) -> bool:
@@ -474,7 +475,35 @@ class ZooResult:
             and self.top1 == 1.0
             and self.found > 0
             and self.swapped == sum(s.swappable for s in self.sites)  # all but norms left in place
+            and (self.rotation is None or self.rotation.passed)
         )
+
+
+@dataclass
+class Rotated:
+    """The rotation part of a coverage row: ``normswap.convert(model, rotate="hadamard", rotate_heads=True)``
+    on another copy of the unconverted model (the residual stream alone where the heads are refused).
+
+    ``refused`` holds the one-line ``RotationError`` when the stream cannot be rotated; ``heads`` is the
+    heads' refusal when only the stream was rotated (None when the heads were rotated too). ``max_abs_diff``
+    compares the rotated model's outputs with the original's; ``reload_diff`` those of a plain transformers
+    ``from_pretrained`` of its ``save_pretrained`` copy (NaN for a model that is not a transformers model).
+    """
+
+    refused: str | None = None
+    heads: str | None = None
+    max_abs_diff: float = float("nan")
+    reload_diff: float = float("nan")
+    error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        if self.error is not None:
+            return False
+        if self.refused is not None:
+            return True
+        reload_ok = math.isnan(self.reload_diff) or self.reload_diff <= TOLERANCE
+        return self.max_abs_diff <= TOLERANCE and reload_ok
 
 
 # float32 folds are exact up to rounding: about 1e-6 on these tiny models; every wrong fold seen in the
@@ -482,10 +511,47 @@ class ZooResult:
 TOLERANCE = 1e-5
 
 
+def _error_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
 @exact_float32()
-def run_entry(entry: ZooEntry, device: str | torch.device = "cpu") -> ZooResult:
+def run_rotation(reference: nn.Module, ids: torch.Tensor, before: torch.Tensor) -> Rotated:
+    """Rotate a copy of ``reference`` (stream and heads, or the stream alone where the heads are refused),
+    compare its outputs with ``before`` and, for a transformers model, those of a plain reload."""
+    import tempfile
+
+    from normswap.convert import convert
+    from normswap.rotate import RotationError
+    from normswap.rotate.heads import HeadRotationError
+
+    result = Rotated()
+    try:
+        model = copy.deepcopy(reference)
+        try:
+            convert(model, rotate="hadamard", rotate_heads=True)
+        except HeadRotationError as error:
+            result.heads = str(error)
+            model = copy.deepcopy(reference)
+            convert(model, rotate="hadamard")
+        result.max_abs_diff = (model_outputs(model, ids) - before).abs().max().item()
+        if hasattr(model, "save_pretrained"):
+            with tempfile.TemporaryDirectory() as folder:
+                model.save_pretrained(folder)
+                fresh = type(reference).from_pretrained(folder, dtype=torch.float32).to(ids.device).eval()
+                result.reload_diff = (model_outputs(fresh, ids) - before).abs().max().item()
+    except RotationError as error:
+        result.refused = str(error)
+    except Exception as error:  # noqa: BLE001 - a row records the failure instead of stopping the table
+        result.error = _error_line(error)
+    return result
+
+
+@exact_float32()
+def run_entry(entry: ZooEntry, device: str | torch.device = "cpu", rotate: bool = True) -> ZooResult:
     """Build ``entry``'s tiny model (on the CPU, then moved to ``device``), convert it in place, compare with
-    the unconverted copy; float32 throughout, TF32 off."""
+    the unconverted copy; with ``rotate``, also ``run_rotation`` on another copy; float32 throughout, TF32
+    off."""
     from normswap.convert import convert
 
     result = ZooResult(entry.name, entry.model_type)
@@ -494,10 +560,12 @@ def run_entry(entry: ZooEntry, device: str | torch.device = "cpu") -> ZooResult:
         reference = copy.deepcopy(model)
         ids = example_inputs(model)
         before = model_outputs(reference, ids)
+        if rotate:
+            result.rotation = run_rotation(reference, ids, before)
         report = convert(model)
         after = model_outputs(model, ids)
     except Exception as error:  # noqa: BLE001 - a row records the failure instead of stopping the table
-        result.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        result.error = _error_line(error)
         return result
     result.found, result.folded, result.swapped = (
         report.norms_found,
@@ -512,12 +580,14 @@ def run_entry(entry: ZooEntry, device: str | torch.device = "cpu") -> ZooResult:
     return result
 
 
-def run_zoo(entries: list[ZooEntry] | None = None, progress=None, device="cpu") -> list[ZooResult]:
+def run_zoo(
+    entries: list[ZooEntry] | None = None, progress=None, device="cpu", rotate: bool = True
+) -> list[ZooResult]:
     """``run_entry`` over ``entries`` (default ``ZOO``) on ``device``; ``progress(result)`` is called after
     each row."""
     results = []
     for entry in ZOO if entries is None else entries:
-        results.append(run_entry(entry, device))
+        results.append(run_entry(entry, device, rotate))
         if progress is not None:
             progress(results[-1])
     return results
@@ -553,6 +623,24 @@ def magnitude_bound(x: float) -> str:
     return f"< 1e{max(-6, math.floor(math.log10(2 * x)) + 1)}"
 
 
+def _rotation_cell(r: ZooResult) -> str:
+    """``exact (stream + heads), < 1e-6, reload < 1e-6`` or ``refused: <one line>``."""
+    rot = r.rotation
+    if rot is None:
+        return ""
+    if rot.error is not None:
+        return f"**error**: {rot.error}"
+    if rot.refused is not None:
+        return f"refused: {rot.refused}"
+    what = "stream + heads" if rot.heads is None else "stream"
+    text = f"{'exact' if rot.passed else '**FAILED**'} ({what}), {magnitude_bound(rot.max_abs_diff)}"
+    if not math.isnan(rot.reload_diff):
+        text += f", reload {magnitude_bound(rot.reload_diff)}"
+    if rot.heads is not None:
+        text += f"; heads refused ({rot.heads.removeprefix('cannot rotate the attention heads in ')})"
+    return text
+
+
 def coverage_markdown(results: list[ZooResult]) -> str:
     """The coverage table (docs/COVERAGE.md) as Markdown."""
     import transformers
@@ -573,6 +661,11 @@ def coverage_markdown(results: list[ZooResult]) -> str:
         "never swapped; the `kinds` column counts the sites of each kind.",
         f"Passed: max abs logit difference <= {TOLERANCE:g}, top-1 agreement 100%, every RMSNorm and",
         "LayerNorm swapped (but those called with another input, which are left in place).",
+        "Rotation: another copy converted with",
+        '`normswap.convert(model, rotate="hadamard", rotate_heads=True)` (the residual stream and each',
+        "attention head rotated; the stream alone where the heads are refused), compared the same way and",
+        f"after a plain transformers reload of its `save_pretrained` copy (<= {TOLERANCE:g}), or refused in",
+        "one line (docs/ROTATION.md).",
         "The difference is shown as a power of ten at least twice its value (its digits vary between CPUs).",
         "`custom` is `normswap.zoo.CustomLM`: hand-written norms named `Squash`/`Standardize` with",
         "parameters `gain`, `alpha`, `beta`, no config, no transformers classes.",
@@ -580,8 +673,8 @@ def coverage_markdown(results: list[ZooResult]) -> str:
         f"**{passed} / {len(results)} passed.**",
         "",
         "| architecture | model_type | norms | kinds | folded | swapped | max abs diff | top-1 | passed "
-        "| not folded (why) |",
-        "|---|---|---:|---|---:|---:|---:|---:|---|---|",
+        "| not folded (why) | rotation |",
+        "|---|---|---:|---|---:|---:|---:|---:|---|---|---|",
     ]
     for r in results:
         why = f"error: {r.error}" if r.error else _swapped_only(r)
@@ -592,6 +685,7 @@ def coverage_markdown(results: list[ZooResult]) -> str:
         kinds_text = ", ".join(f"{count} {kind}" for kind, count in kinds.items()) or "-"
         lines.append(
             f"| {r.name} | {r.model_type} | {r.found} | {kinds_text} | {r.folded} | {r.swapped} | {diff} | "
-            f"{r.top1:.0%} | {'yes' if r.passed else '**no**'} | {why.replace('|', '/')} |"
+            f"{r.top1:.0%} | {'yes' if r.passed else '**no**'} | {why.replace('|', '/')} | "
+            f"{_rotation_cell(r).replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"

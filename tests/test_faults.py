@@ -842,15 +842,18 @@ def test_c28_tensors_the_loader_skips_reach_the_output(tmp_path, streamed):
     assert tree(src) == before
 
 
-def test_c28_centering_refuses_a_checkpoint_with_skipped_tensors(tmp_path):
-    """Centering (--norm rmsnorm) changes the embeddings and the residual stream the MTP tensors read:
-    refused in one line naming them, before anything is written."""
+@pytest.mark.parametrize(
+    "option", [("--norm", "rmsnorm"), ("--rotate", "hadamard")], ids=["center", "rotate"]
+)
+def test_c28_centering_or_rotation_refuses_a_checkpoint_with_skipped_tensors(tmp_path, option):
+    """Centering (--norm rmsnorm) and rotation change the embeddings and the residual stream the MTP tensors
+    read: refused in one line naming them, before anything is written."""
     src = tmp_path / "src"
     deepseek_with_mtp(src)
     before = tree(src)
-    result = run("convert", src, "--output", tmp_path / "out", "--norm", "rmsnorm", *FEW)
+    result = run("convert", src, "--output", tmp_path / "out", *option, *FEW)
     assert_one_line(result, 2, "6 tensors the model class does not run", "model.layers.61.",
-                    "that --norm rmsnorm changes")  # fmt: skip
+                    f"that {' '.join(option)} changes")  # fmt: skip
     assert tree(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 

@@ -351,3 +351,41 @@ def test_read_names_records_the_watched_config_only_and_restores_its_class():
     with pytest.raises(RuntimeError), read_names([watched]):
         raise RuntimeError("restored on error too")
     assert "__getattribute__" not in LlamaConfig.__dict__
+
+
+def test_a_norm_with_a_bias_and_no_weight_folds_with_scale_one():
+    """``x / rms(x) + b`` has scale 1: folding it adds ``W b`` to the consumer's bias and leaves ``W`` as it
+    is (it was folded with scale 0 before: logits off by 1.2)."""
+    import copy
+
+    from torch import nn
+
+    import normswap
+
+    class BiasNorm(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.shift = nn.Parameter(torch.rand(d, generator=torch.Generator().manual_seed(0)) - 0.5)
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) + self.shift
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.norm = nn.Embedding(128, 64), BiasNorm(64)
+            self.up, self.head = nn.Linear(64, 64), nn.Linear(64, 128)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            return self.head(x + self.up(self.norm(x)))
+
+    torch.manual_seed(0)
+    model = Model().eval()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    report = normswap.convert(model, example_inputs=(ids,))
+    assert report.norms_folded == 1
+    with torch.no_grad():
+        assert (reference(ids) - model(ids)).abs().max().item() <= 1e-5
+        assert torch.equal(model.up.weight, reference.up.weight)

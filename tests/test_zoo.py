@@ -1,7 +1,9 @@
 """Every zoo row converts exactly: the walker on many architectures, by behaviour and dataflow.
 
 Each row builds a tiny random model (norm weights and biases re-randomized), converts it in place and
-compares its outputs with the unconverted deepcopy on ids the conversion did not trace with.
+compares its outputs with the unconverted deepcopy on ids the conversion did not trace with; another copy is
+rotated (``rotate="hadamard"``, with the heads where they rotate) and compared the same way, in memory and
+after a plain transformers reload, or refused in one line.
 
 Tolerance 1e-5 (float32, absolute, logits of size ~1): a correct fold changes them by rounding only, measured
 at 1e-8 .. 2e-6 here; every wrong fold seen in the field was off by 4e-3 or more (shared/cases/README.md).
@@ -31,6 +33,15 @@ _FACTS = (
     "output is returned as a model output",
     "not reached by the trace",
 )
+
+
+# Rows whose residual stream cannot be rotated, and a part of the one-line reason (everything else rotates).
+ROTATION_REFUSED = {
+    **dict.fromkeys(["gemma2", "gemma3_text", "olmo2", "exaone4", "glm4", "olmo3"], "(a post-norm)"),
+    "bert": "embeddings.LayerNorm adds its output, scaled by its weight, into the stream (a post-norm)",
+    **dict.fromkeys(["t5", "switch_transformers"], "encoder.final_layer_norm keeps its weight (output is "),
+    "gemma3n_text": "no norm reads a residual stream that starts at an embedding lookup",  # AltUp stacks it
+}
 
 
 def _concrete(reason: str | None, module_names: set[str]) -> bool:
@@ -68,6 +79,16 @@ def test_zoo_row(entry):
             assert not site.folded
             assert _concrete(site.reason, result.module_names), f"{site.name}: vague reason {site.reason!r}"
     assert result.folded == sum(s.folded for s in result.sites)
+    rotation = result.rotation
+    assert rotation.error is None, rotation.error
+    if entry.name in ROTATION_REFUSED:
+        assert rotation.refused and ROTATION_REFUSED[entry.name] in rotation.refused, rotation.refused
+        assert "\n" not in rotation.refused
+    else:
+        assert rotation.refused is None, rotation.refused
+        assert rotation.max_abs_diff <= TOLERANCE, f"rotated: off by {rotation.max_abs_diff:.3g}"
+        if entry.model_type != "custom":  # plain transformers reload of the save_pretrained copy
+            assert rotation.reload_diff <= TOLERANCE, f"reloaded: off by {rotation.reload_diff:.3g}"
     assert result.passed
 
 

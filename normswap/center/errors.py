@@ -13,5 +13,11 @@ class CenteringError(NormswapError):
 
 
 def refusal(site: str, what: str) -> CenteringError:
-    """The error for LayerNorm ``site`` (module name) that cannot become an RMSNorm because of ``what``."""
-    return CenteringError(f"cannot convert LayerNorm {site} to RMSNorm exactly: {what}")
+    """The error for LayerNorm ``site`` (module name) that cannot become an RMSNorm because of ``what``.
+
+    The error keeps ``site`` and ``what`` as attributes, so a caller that walks the same dataflow for
+    another purpose (``normswap.rotate``) can word the refusal its own way.
+    """
+    error = CenteringError(f"cannot convert LayerNorm {site} to RMSNorm exactly: {what}")
+    error.site, error.what = site, what
+    return error

@@ -232,6 +232,7 @@ def save_converted(
     input_path: str | os.PathLike | None = None,
     expected=None,
     trust_remote_code: bool = False,
+    extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write ``model`` (converted in place), its tokenizer and the report to ``out_dir``, atomically.
 
@@ -259,6 +260,9 @@ def save_converted(
             fresh load (``verify_saved``) before it replaces ``out_dir``; the result goes into
             ``report["verify"]`` and ``normswap.json``. The fresh load is a second model in memory.
         trust_remote_code: passed to the fresh load.
+        extra_tensors: more safetensors files to write with the checkpoint, as ``{relative path: {name:
+            tensor}}`` (a rotation's matrices, ``normswap.rotate.ROTATION_FILE``); a path in a subfolder
+            keeps loaders that read every top-level ``*.safetensors`` as weights from reading them.
 
     Returns:
         the absolute output directory.
@@ -274,7 +278,7 @@ def save_converted(
     model, manifest = plain_manifest(model, report)  # a PEFT model: a merged copy, freed on return
     inputs = _api_inputs(model, manifest, input_path)
     with Staging(out, overwrite=overwrite) as stage:
-        carried = _write_staged(stage, model, tokenizer, manifest, inputs, str(input_path))
+        carried = _write_staged(stage, model, tokenizer, manifest, inputs, str(input_path), extra_tensors)
         if expected is not None:
             from normswap.io.verify import verify_saved
 
@@ -311,8 +315,9 @@ def _api_inputs(model: torch.nn.Module, manifest: dict, input_path):
     inputs = carry.gather(resolved, model)
     reading = carry.may_read_outputs(model, inputs.skipped) if inputs.skipped else []
     if reading:
-        if manifest.get("norm", "keep") != "keep":
-            carry.refuse_changed_stream(str(input_path), model, reading, f"norm={manifest['norm']!r}")
+        if manifest.get("norm", "keep") != "keep" or manifest.get("rotation"):
+            option = f"norm={manifest['norm']!r}" if not manifest.get("rotation") else "rotate=..."
+            carry.refuse_changed_stream(str(input_path), model, reading, option)
         sites = [NormSite.from_dict(s) for s in manifest.get("sites", [])]
         folded = [s.name for s in carry.final_norms(model, sites) if s.folded]
         if folded:
@@ -324,16 +329,24 @@ def _api_inputs(model: torch.nn.Module, manifest: dict, input_path):
     return inputs
 
 
-def _write_staged(stage: Staging, model, tokenizer, manifest: dict, inputs, source: str) -> dict:
+def _write_staged(stage: Staging, model, tokenizer, manifest: dict, inputs, source: str,
+                  extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> dict:  # fmt: skip
     """Write the checkpoint into ``stage.path``: the model (in the input's shard size), the tensors the model
-    class does not run, the model card and licence files (``inputs``), the manifest; every input tensor must
-    have reached it. Returns the carried tensors' fingerprints (for the verification)."""
+    class does not run and the other files of the input (``inputs``), ``extra_tensors`` (see
+    ``save_converted``), the manifest; every input tensor must have reached it. Returns the carried tensors'
+    fingerprints (for the verification)."""
+    from safetensors.torch import save_file
+
     from normswap.io import carry
 
     dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
     with stage.writing():
         write_checkpoint(model, tokenizer, manifest, stage.path, max_shard_size=inputs.shard_size)
         carried = carry.append_tensors(stage.path, inputs.folder, inputs.skipped, dtype, inputs.shard_size)
+        for relative, tensors in (extra_tensors or {}).items():
+            (stage.path / relative).parent.mkdir(parents=True, exist_ok=True)
+            cpu = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
+            save_file(cpu, str(stage.path / relative))
         carry.copy_files(inputs, stage.path)
     if inputs:  # what was copied is known only now (a file the output already held is not copied)
         manifest["carried"] = inputs.to_dict()
@@ -354,6 +367,8 @@ def save_and_verify(
     input_path: str | os.PathLike | None = None,
     trust_remote_code: bool = False,
     step=lambda message: None,
+    extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
+    check_extra=None,
 ):
     """What ``normswap convert`` does after the check: write, verify, and only then replace ``out_dir``.
 
@@ -378,6 +393,9 @@ def save_and_verify(
         input_path: the MODEL argument (refuses an ``out_dir`` inside it; named in messages).
         trust_remote_code: passed to the fresh load.
         step: called with a progress message before the save and the verification.
+        extra_tensors: more safetensors files written with the checkpoint (see ``save_converted``).
+        check_extra: ``folder -> list of failures``, run on the written folder with the verification (the
+            rotation's saved ``Q`` against the one applied); a failure fails the verification.
 
     Returns:
         the ``VerifyResult``; ``out_dir`` holds the new checkpoint iff ``result.passed or force``.
@@ -395,11 +413,14 @@ def save_and_verify(
     with Staging(out, overwrite=overwrite) as stage:
         step(f"saving to {out} ...")
         expected.carried = _write_staged(
-            stage, loaded.model, loaded.tokenizer, report, inputs, str(input_path)
+            stage, loaded.model, loaded.tokenizer, report, inputs, str(input_path), extra_tensors
         )
         loaded.model = None  # the fresh load below then needs one model's memory, not two
         step(f"verifying {out} by a fresh load ...")
         verified = verify_saved(stage.path, expected, trust_remote_code=trust_remote_code)
+        if check_extra is not None:
+            verified.failures += check_extra(stage.path)
+            verified.passed = not verified.failures
         verified.path = str(out)
         report["verify"] = verified.to_dict()
         staging.at_stage("verified")

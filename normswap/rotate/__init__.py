@@ -1,0 +1,128 @@
+"""Rotation of the residual stream after folding (QuaRot / SpinQuant R1, and R2 per attention head).
+
+Once every norm on the residual stream is weightless, an orthogonal ``Q`` (hidden x hidden) applied to the
+stream leaves the model's function unchanged: the embeddings and every writer into the stream write
+``h Q`` instead of ``h``, every norm computes ``RMSNorm(h Q) = RMSNorm(h) Q``, and every reader of a norm
+reads back through ``Qᵀ`` folded into its weight (Ashkboos et al., "SliceGPT", ICLR 2024, sec. 3; "QuaRot",
+NeurIPS 2024, sec. 4; Liu et al., "SpinQuant", ICLR 2025, R1/R2). A Hadamard ``Q`` spreads activation
+outliers, which is what makes low-bit activation quantization work (docs/ROTATION.md has the measurements).
+
+The steps, one module each:
+
+* ``hadamard``: Hadamard matrices from known constructions (Sylvester, Paley I/II, Kronecker products);
+* ``matrix``: the orthogonal matrices (randomized Hadamard, or seeded random orthogonal), ``Q 1 = 1`` for
+  LayerNorm models;
+* ``plan``: the stream norms, writers and readers from the dataflow, and every refusal (``RotationError``),
+  before anything changes;
+* ``heads``: the per-head value/output rotation (``rotate_heads``);
+* ``apply``: the float64 arithmetic, each tensor rounded once; the record ``TensorRotation``;
+* ``report``: the CLI's lines and the check of the saved matrices.
+
+``normswap.convert(model, rotate="hadamard")`` runs them around the fold; ``Rotation`` is what it returns
+in ``ConvertReport.rotation``, and what the saved checkpoint holds (``ROTATION_FILE``, named in
+``normswap.json``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from normswap.rotate.apply import TensorRotation, apply, transform
+from normswap.rotate.matrix import KINDS, Matrix, generator, make
+from normswap.rotate.plan import RotationError, RotationPlan, check_folding, plan_rotation
+from normswap.rotate.report import check_saved, rotate_reference, summary_lines
+
+__all__ = [
+    "KINDS",
+    "ROTATION_FILE",
+    "Rotation",
+    "RotationError",
+    "RotationPlan",
+    "TensorRotation",
+    "apply",
+    "check_folding",
+    "check_saved",
+    "make_matrices",
+    "plan_rotation",
+    "rotate_reference",
+    "summary_lines",
+    "transform",
+]
+
+ROTATION_FILE = "normswap/rotation.safetensors"  # in a subfolder: loaders that glob *.safetensors skip it
+
+
+def make_matrices(plan: RotationPlan, kind: str, seed: int) -> dict[str, Matrix]:
+    """``{"Q": ...}`` (and ``"H"`` for the per-head rotation) for ``plan``, drawn from one generator of
+    ``seed`` in that order; ``Q`` keeps the all-ones vector for a stream that LayerNorms read."""
+    gen = generator(seed)
+    matrices = {"Q": make("Q", plan.width, kind, gen, keep_ones=plan.keep_ones)}
+    if plan.heads is not None:
+        matrices["H"] = make("H", plan.heads.size, kind, gen)
+    return matrices
+
+
+@dataclass
+class Rotation:
+    """A rotation as applied: the matrices, and what was done to each tensor.
+
+    Attributes:
+        kind: the kind asked for (``"hadamard"`` or ``"random"``).
+        seed: the generator's seed.
+        matrices: ``"Q"`` (the residual stream's, hidden x hidden) and ``"H"`` (per head, with heads).
+        tensors: one ``TensorRotation`` per changed tensor.
+        plan: the ``RotationPlan`` it came from.
+        centered: whether the conversion centered the stream first (a LayerNorm model).
+        not_centered: why a LayerNorm model was not centered (then rotated uncentered, ``Q 1 = 1``), or None.
+    """
+
+    kind: str
+    seed: int
+    matrices: dict[str, Matrix]
+    tensors: list[TensorRotation] = field(default_factory=list)
+    plan: RotationPlan | None = None
+    centered: bool = False
+    not_centered: str | None = None
+    kept_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # kept-bias norm -> its float64 scale
+
+    @property
+    def Q(self) -> torch.Tensor:  # noqa: N802 - the matrix's name in every paper
+        """The residual stream's ``(hidden, hidden)`` float64 matrix."""
+        return self.matrices["Q"].values
+
+    def hidden_states(self, h: torch.Tensor) -> torch.Tensor:
+        """What the rotated model's hidden state is for the original's ``h`` (features last): ``h Q``, after
+        subtracting each row's mean for a centered (LayerNorm) model. Float64."""
+        h = h.double()
+        if self.centered:
+            h = h - h.mean(-1, keepdim=True)
+        return h @ self.Q.to(h.device)
+
+    def saved_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors of ``ROTATION_FILE``: each matrix by its name, float64, contiguous, on the CPU."""
+        return {name: m.values.contiguous().cpu() for name, m in self.matrices.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        plan = self.plan
+        return {
+            "kind": self.kind,
+            "seed": self.seed,
+            "file": ROTATION_FILE,
+            "matrices": {name: m.to_dict() for name, m in self.matrices.items()},
+            "hidden_states": (
+                "every hidden state (the residual stream: output_hidden_states, inputs_embeds) of the "
+                "rotated model is the original's"
+                + (" minus its mean over the features," if self.centered else "")
+                + f" times Q (h -> h Q, Q in {ROTATION_FILE})"
+            ),
+            "centered": self.centered,
+            "not_centered": self.not_centered,
+            "stream_norms": list(plan.stream_sites) if plan else [],
+            "table_norms": list(plan.table_sites) if plan else [],
+            "kept_bias": list(plan.kept_bias) if plan else [],
+            "returned": list(plan.returned) if plan else [],
+            "tensors": [t.to_dict() for t in self.tensors],
+        }

@@ -1,0 +1,100 @@
+"""What the user sees of a rotation: the CLI's ``rotated:`` lines and the check of the saved matrices."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+def summary_lines(rotation: dict[str, Any]) -> list[str]:
+    """The ``rotated:`` lines of ``normswap convert`` from a report's ``rotation`` (``Rotation.to_dict``).
+
+    Example::
+
+        rotated:  Q 576 x 576: randomized Hadamard diag(s) H / sqrt(576), H = ... (seed 0)
+                  61 stream norms, 212 tensors changed; saved as normswap/rotation.safetensors
+                  hidden states are the original's times Q (changed by design)
+    """
+    q = rotation["matrices"]["Q"]
+    lines = [
+        f"rotated:  Q {q['size']} x {q['size']}: {q['description']} (seed {rotation['seed']})",
+    ]
+    heads = rotation["matrices"].get("H")
+    if heads:
+        lines.append(f"          heads: H {heads['size']} x {heads['size']}: {heads['description']}")
+    norms, tensors = len(rotation["stream_norms"]), len(rotation["tensors"])
+    lines.append(f"          {norms} stream norms, {tensors} tensors changed; saved as {rotation['file']}")
+    centered = " (centered)" if rotation.get("centered") else ""
+    lines.append(f"          hidden states are the original's{centered} times Q (changed by design)")
+    return lines
+
+
+def check_saved(path: str | os.PathLike, rotation) -> list[str]:
+    """Failures of the saved matrices of ``rotation`` (a ``Rotation``) in the checkpoint at ``path``: each
+    must be there, float64, and bit-identical to the one applied. Empty when all is well."""
+    import torch
+    from safetensors.torch import load_file
+
+    from normswap.rotate import ROTATION_FILE
+
+    file = Path(path) / ROTATION_FILE
+    if not file.is_file():
+        return [f"{ROTATION_FILE} is missing"]
+    saved = load_file(str(file))
+    failures = []
+    for name, tensor in rotation.saved_tensors().items():
+        if name not in saved:
+            failures.append(f"{ROTATION_FILE} lacks {name}")
+        elif saved[name].dtype != torch.float64 or not torch.equal(saved[name], tensor):
+            failures.append(f"{ROTATION_FILE}: {name} differs from the matrix applied")
+    return failures
+
+
+def rotate_reference(reference, rotation) -> int:
+    """Map the records a check localizes with (``normswap.check.Reference.captures``, taken on the original)
+    to what the rotated model computes there by design, in place, so that a correct rotation reports no
+    divergence and a wrong one is still found where it starts.
+
+    Mapped: the input of every stream norm and every decoder layer's output (the residual stream:
+    ``Rotation.hidden_states``), the output of a stream norm that is not folded (``y -> (y / g) Q`` for a norm
+    that keeps its bias ``b / g``, ``y -> y Q`` for a weightless one), and with heads the output of each value
+    projection (each head's features times ``H``). Records of another width are left alone.
+
+    Returns:
+        The number of records mapped.
+    """
+    plan = rotation.plan
+    stream = set(plan.stream_sites)
+    width = rotation.Q.shape[0]
+    heads = {}
+    if plan.heads is not None:
+        for target in plan.heads.targets:
+            if target.side == "head output" and target.holder[1] != "bias":
+                heads[target.holder[0]] = target.groups
+    captures = reference.captures
+    mapped = 0
+    for probe in reference.probes:
+        prefix = f"{probe.module}:{probe.where}#"
+        keys = [k for k in list(captures.keys()) if k.startswith(prefix)]
+        for key in keys:
+            x = captures[key]
+            on_stream = probe.role == "layer output" or (probe.role == "norm input" and probe.site in stream)
+            if on_stream:
+                if x.shape[-1] == width:
+                    captures[key] = rotation.hidden_states(x)
+                    mapped += 1
+            elif probe.role == "norm output" and probe.site in stream and x.shape[-1] == width:
+                scale = rotation.kept_scales.get(probe.site)
+                y = x.double() / scale.to(x.device) if scale is not None else x.double()
+                captures[key] = y @ rotation.Q.to(x.device)
+                mapped += 1
+            elif probe.role == "consumer output" and probe.module in heads:
+                h = rotation.matrices["H"].values.to(x.device)
+                y = x.double().clone()
+                for g in heads[probe.module]:
+                    if int(g.max()) < y.shape[-1]:
+                        y[..., g] = y[..., g] @ h
+                captures[key] = y
+                mapped += 1
+    return mapped
