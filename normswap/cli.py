@@ -6,17 +6,18 @@ Exit codes: 0 success, 1 the logits check failed, 2 bad input or usage (one line
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import click
 
+from normswap import progress
 from normswap.errors import NormswapError
-from normswap.options import device_option
+from normswap.options import OutputPath, device_option, model_name, size_option
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -33,7 +34,8 @@ def _cli_wording(message: str) -> str:
 
 
 class _Group(click.Group):
-    """Turns a ``NormswapError`` raised by any command into one stderr line and exit code 2."""
+    """Turns a ``NormswapError`` raised by any command into one stderr line and exit code 2, and an
+    interrupt (Ctrl-C) at any moment into exit code 130 with a line saying what state the output is in."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -41,15 +43,89 @@ class _Group(click.Group):
         except NormswapError as error:
             click.echo(f"normswap: error: {_cli_wording(str(error))}", err=True)
             ctx.exit(2)
-        except KeyboardInterrupt:  # the conventional 128 + SIGINT, not the "check failed" code
-            click.echo("normswap: interrupted", err=True)
-            ctx.exit(130)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """click's ``main``, except that Ctrl-C exits 130 wherever it lands. (click's standalone mode turns
+        an interrupt that lands outside the command body, while click parses the arguments or between the
+        command's end and the exit, into "Aborted!" and exit code 1.)"""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            try:
+                code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            except click.Abort as error:  # click raises it from a KeyboardInterrupt (or an EOF at a prompt)
+                if not isinstance(error.__context__, KeyboardInterrupt):
+                    click.echo("Aborted!", err=True)
+                    sys.exit(1)
+                with _no_interrupts():  # one clean line, even if Ctrl-C is pressed again
+                    click.echo(_interrupted(self._meta), err=True)
+                sys.exit(130)
+            except click.ClickException as error:
+                error.show()
+                sys.exit(error.exit_code)
+            except OSError as error:  # stdout closed early (| head): quiet, as click's standalone mode
+                if error.errno != errno.EPIPE:
+                    raise
+                sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the interpreter closes it at exit
+                sys.exit(1)
+            sys.exit(code if isinstance(code, int) else 0)
+        except KeyboardInterrupt:  # pressed again within the handlers above
+            sys.exit(130)
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        ctx = super().make_context(info_name, args, parent=parent, **extra)
+        self._meta = ctx.meta  # shared by the command's context: where _stages leaves its record
+        return ctx
+
+    _meta: dict = {}
 
 
-def _step(message: str) -> None:
-    """One progress line on stderr, only when stderr is a terminal (scripts see results and errors only)."""
-    if sys.stderr.isatty():
-        click.echo(f"normswap: {message}", err=True)
+@contextlib.contextmanager
+def _no_interrupts():
+    """Within the block, SIGINT is ignored (restored after; a no-op outside the main thread)."""
+    import signal
+
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+_INTERRUPT = "normswap.interrupt"  # click context meta: (Stages, output path) of the running command
+
+
+def _stages(output: Path | None = None) -> progress.Stages:
+    """A ``Stages`` for this command, remembered so that an interrupt can say what state ``output`` is in."""
+    stages = progress.Stages()
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta[_INTERRUPT] = (stages, output)
+    return stages
+
+
+def _interrupted(meta: dict) -> str:
+    """What an interrupt of the running command left, as a line for stderr (``meta``: its context's)."""
+    stages, output = meta.get(_INTERRUPT) or (None, None)
+    stage = stages.current if stages is not None else None
+    where = f" during {stage}" if stage else ""
+    if output is None:
+        return f"normswap: interrupted{where}; nothing was written"
+    if stage == "save":
+        return (
+            f"normswap: interrupted while saving; {output} is as it was before or holds the complete new "
+            "checkpoint (the save is atomic), never a partial one"
+        )
+    if stage == "verify":
+        return (
+            f"normswap: interrupted while verifying; {output} holds the converted checkpoint, not verified "
+            f"(normswap check MODEL {output} compares it with the original)"
+        )
+    return f"normswap: interrupted{where}; nothing was written ({output} is as it was before)"
 
 
 def _quiet_transformers() -> None:
@@ -95,6 +171,7 @@ def main() -> None:
     Exit codes: 0 success, 1 the logits check (or the verification of the saved copy) failed, 2 bad input,
     130 interrupted.
     """
+    progress.show(sys.stderr.isatty())  # progress lines for a person at a terminal; scripts get none
     if os.environ.get("NORMSWAP_BACKEND") is None:
         return  # nothing to check, and no torch import for a command's --help or usage error
     from normswap.kernels import resolve_backend
@@ -106,16 +183,16 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("model")
+@click.argument("model", callback=model_name)
 @click.option(
     "--output",
     "-o",
     "output",
     required=True,
-    type=click.Path(path_type=Path),
+    type=OutputPath(directory=True),
     help="Directory to write the converted checkpoint to (must not exist, see --overwrite).",
 )
-@click.option("--report", type=click.Path(path_type=Path), help="Write the conversion report as JSON here.")
+@click.option("--report", type=OutputPath(), help="Write the conversion report as JSON here.")
 @click.option(
     "--norm",
     type=click.Choice(["keep", "rmsnorm"]),
@@ -146,9 +223,8 @@ def main() -> None:
     help="Tokenizer for the check's text (hub id or directory) [default: MODEL's own; without one, the "
     "check runs on ids drawn from the vocabulary with a fixed seed].",
 )
-@click.option(
+@size_option(
     "--max-memory",
-    metavar="SIZE",
     help="Hold at most about SIZE of weights (2GiB, 500MB, ...): a larger safetensors model directory is "
     "streamed shard by shard (docs/STREAMING.md).",
 )
@@ -157,8 +233,8 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
     from normswap import io
     from normswap.check import compare, reference_outputs
+    from normswap.convert import already_converted, no_norms_message
     from normswap.convert import convert as convert_model
-    from normswap.convert import no_norms_message
     from normswap.walk import short_inputs, walk
 
     _quiet_transformers()
@@ -167,13 +243,13 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         io.check_output_file(report, [model], output)
     options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
                    overwrite=overwrite, no_untie=no_untie)  # fmt: skip
+    stages = _stages(output)
     if max_memory is not None and _convert_streamed(
         model, output, report, max_memory, device=device, device_map=device_map, tokenizer=tokenizer_name,
-        **options,
+        stages=stages, **options,
     ):  # fmt: skip
         return
-    t0 = time.perf_counter()
-    _step(f"loading {model} ({dtype}) ...")
+    stages.start("load", f"{model} ({dtype})")
     loaded = io.load_model(
         model,
         dtype=dtype,
@@ -182,26 +258,29 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         device=device,
         device_map=device_map,
     )
-    _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
+    stages.stop(f"{loaded.info.architecture} from {loaded.info.path}")
     input_ids, check_input = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens)
-    _step("finding the norms and their consumers ...")
+    stages.start("walk", "finding the norms and their consumers")
     traced = walk(loaded.model, short_inputs(input_ids))  # the dataflow does not depend on the length
     if not traced.sites:
         raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
-    _step(f"running the original on {input_ids.shape[-1]} tokens ...")
+    manifest = io.input_manifest(loaded.info.path) if loaded.info.kind == "dir" else None
+    already_converted(model, loaded.model, traced.sites, norm, manifest)
+    stages.start("reference", f"running the original on {input_ids.shape[-1]} tokens")
     reference = reference_outputs(loaded.model, input_ids, sites=traced.sites)
-    _step("converting ...")
+    stages.start("convert", "folding and swapping the norms")
     result = convert_model(loaded.model, norm=norm, untie=not no_untie, input_ids=input_ids, traced=traced)
-    _step("checking the converted logits ...")
+    stages.start("check", "comparing the converted model's outputs with the original's")
     checked = compare(reference, loaded.model, input_ids)
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)
     report_dict["check_input"] = check_input
+    _note_check_text(report_dict, loaded.model.config, tokenizer_name)
     passed = bool(checked.passed)
     saved = passed or force
     try:
         if saved:
-            _step(f"saving to {output} ...")
+            stages.start("save", str(output))
             expected = io.record_expected(loaded.model, input_ids)
             io.save_converted(
                 loaded.model, loaded.tokenizer, report_dict, output, overwrite=overwrite, input_path=model
@@ -215,14 +294,18 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     if saved:
         del traced, reference
         loaded.model = None  # the fresh load below then needs one model's memory, not two
-        _step(f"verifying {output} by a fresh load ...")
+        stages.start("verify", f"{output} by a fresh load")
         verified = io.verify_saved(output, expected, trust_remote_code=trust_remote_code)
+        stages.stop()
         report_dict["verify"] = verified.to_dict()
+        report_dict["timings"] = dict(stages.timings)
         if not verified.passed and not force:
             shutil.rmtree(output, ignore_errors=True)
             saved = False
         else:
             io.write_json(Path(output) / io.MANIFEST, report_dict | {"saved": True})
+    stages.stop()
+    report_dict["timings"] = dict(stages.timings)
     report_dict["saved"] = saved
     if report is not None:
         io.write_json(report, report_dict)
@@ -236,8 +319,8 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         raise SystemExit(1)
 
 
-def _convert_streamed(model, output, report, max_memory, *, device, device_map, tokenizer, norm, dtype,
-                      trust_remote_code, tokens, force, overwrite, no_untie) -> bool:  # fmt: skip
+def _convert_streamed(model, output, report, max_memory, *, device, device_map, tokenizer, stages, norm,
+                      dtype, trust_remote_code, tokens, force, overwrite, no_untie) -> bool:  # fmt: skip
     """``convert --max-memory``: False when the model fits in the budget (the in-memory path then runs),
     else the streamed conversion (``normswap.stream``, on the CPU), with the same outputs, messages and exit
     codes; options it cannot honour (``--norm rmsnorm``, ``--device-map``, a ``--device`` other than the
@@ -248,8 +331,12 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
 
     budget = stream.parse_size(max_memory)
     target = resolve_device(device)  # an unknown device is refused before anything is read
+    stages.start("load", f"{model} ({dtype}): shard headers, config, tokenizer")
     source = stream.open_source(model, dtype, trust_remote_code, tokenizer)
+    stages.stop()
+    weights = f"{_size(source.nbytes)} of weights"
     if source.nbytes <= budget:
+        progress.note(f"{weights} fit in --max-memory {max_memory}: converting in memory")
         return False
     streaming = "is not available when streaming (the model exceeds --max-memory)"
     if norm != "keep":
@@ -258,12 +345,15 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
         raise NormswapError(f"--device-map {streaming}; streaming runs on the CPU")
     if target.type != "cpu" and device != "auto":
         raise NormswapError(f"--device {device} {streaming}; streaming runs on the CPU")
-    _step(f"{model}: {source.nbytes / 2**30:.2f} GiB of weights > --max-memory {max_memory}: streaming (CPU)")
+    progress.note(
+        f"streaming: budget {max_memory}, {weights} in {len(source.reader.files)} shard(s), on the CPU"
+    )
     input_ids, check_input = _check_ids(model, source.config, source.tokenizer, tokens)
     report_dict, passed = stream.convert_streamed(
-        source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, step=_step
+        source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, stages=stages
     )
     report_dict["check_input"] = check_input
+    _note_check_text(report_dict, source.config, tokenizer)
     from normswap.stream import dist
 
     if not dist.is_main():
@@ -285,6 +375,23 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
     return True
 
 
+def _note_check_text(report_dict: dict, config, tokenizer: str | None) -> None:
+    """Add a ``note`` to the report's ``check_input`` when the original's perplexity on the check text says
+    the text means nothing to it (``check.inputs.implausible_text``), for a ``--tokenizer`` or a failed check
+    (a random-weight model that passes needs no note)."""
+    from normswap.check.inputs import implausible_text
+
+    check = report_dict.get("check") or {}
+    check_input = report_dict.get("check_input") or {}
+    if check_input.get("source") != "text" or (tokenizer is None and check.get("passed")):
+        return
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text_config, "vocab_size", None)
+    note = implausible_text(check.get("ppl_original"), vocab if isinstance(vocab, int) else None, tokenizer)
+    if note:
+        check_input["note"] = note
+
+
 def _check_ids(model: str, config, tokenizer, tokens: int | None):
     """The check's token ids for a model of ``config`` and how they were made (for the report); bad
     tokenizers and over-long requests are bad input (exit 2). Without a tokenizer: ids drawn from the
@@ -300,11 +407,9 @@ def _check_ids(model: str, config, tokenizer, tokens: int | None):
 
 
 @main.command()
-@click.argument("model")
+@click.argument("model", callback=model_name)
 @_load_options(dtype_help="Precision the model is loaded and inspected in.")
-@click.option(
-    "--json", "json_path", type=click.Path(path_type=Path), help="Write the site list as JSON here."
-)
+@click.option("--json", "json_path", type=OutputPath(), help="Write the site list as JSON here.")
 def inspect(model, dtype, trust_remote_code, device, device_map, json_path):
     """List every norm of MODEL: kind, convention, eps, cast order, consumers, foldable or why not."""
     from normswap import io
@@ -363,11 +468,8 @@ def _tolerance_text(tol: dict, output_name: str = "logit") -> str:
 
 
 def _size(nbytes: int) -> str:
-    """``32768`` -> ``"32.0 KiB"``: bytes in the largest binary unit that keeps the number at least 1."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
+    """``32768`` -> ``"32.0 KiB"`` (``progress.size``)."""
+    return progress.size(nbytes)
 
 
 def _summary(report: dict, output: Path | None, report_path: Path | None) -> str:
@@ -404,6 +506,8 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
             lines.append(f"          - {failure}")
         if check.get("divergence"):
             lines.append(f"          first divergence: {check['divergence'].get('description')}")
+    if check_input.get("note"):
+        lines.append(f"note:     {check_input['note']}")
     if output is not None:
         lines.append(f"saved:    {output}")
     verify = report.get("verify")
@@ -413,12 +517,16 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
         lines.append(f"verified: {describe(verify)}")
     if report_path is not None:
         lines.append(f"report:   {report_path}")
+    timings = report.get("timings") or {}
+    if timings:
+        stages = ", ".join(f"{name} {seconds:.1f}" for name, seconds in timings.items())
+        lines.append(f"time:     {progress.seconds(sum(timings.values()))} ({stages})")
     return "\n".join(lines)
 
 
 # -- zoo (owned by the walker's maintainer; the logic lives in normswap/zoo.py) -------------------------
 @main.command()
-@click.option("--output", "-o", type=click.Path(path_type=Path), help="Write the Markdown table here.")
+@click.option("--output", "-o", type=OutputPath(), help="Write the Markdown table here.")
 @click.option("--only", multiple=True, metavar="NAME", help="Run only these zoo rows (repeatable).")
 @device_option
 def zoo(output, only, device):
@@ -438,8 +546,8 @@ def zoo(output, only, device):
         check_output_file(output)
     entries = [e for e in zoo_lib.ZOO if not only or e.name in only]
     target = resolve_device(device)
-    progress = lambda r: _step(f"{r.name}: {'ok' if r.passed else 'FAIL'}")  # noqa: E731
-    results = zoo_lib.run_zoo(entries, progress=progress, device=target)
+    note = lambda r: progress.note(f"{r.name}: {'ok' if r.passed else 'FAIL'}")  # noqa: E731
+    results = zoo_lib.run_zoo(entries, progress=note, device=target)
     table = zoo_lib.coverage_markdown(results)
     if output is not None:
         from normswap.io import write_text

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from normswap.errors import NormswapError
-from normswap.options import device_option
+from normswap.options import OutputPath, device_option, model_name
 
 
 def _manifest_sites(path) -> list:
@@ -21,8 +21,8 @@ def _manifest_sites(path) -> list:
 
 
 @click.command("check")
-@click.argument("original")
-@click.argument("converted")
+@click.argument("original", callback=model_name)
+@click.argument("converted", callback=model_name)
 @click.option(
     "--tokens",
     type=click.IntRange(min=2),
@@ -44,7 +44,7 @@ def _manifest_sites(path) -> list:
 )
 @click.option("--device-map", help='Passed to from_pretrained, e.g. "auto".')
 @device_option
-@click.option("--report", type=click.Path(dir_okay=False), help="Write the CheckResult as JSON here.")
+@click.option("--report", type=OutputPath(), help="Write the CheckResult as JSON here.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the models' own Python code to run.")
 def check_command(
     original,
@@ -81,6 +81,11 @@ def check_command(
         check_output_file(report, [original, converted])
     resolve(original)  # bad paths fail here, before the (slow) load of the other model
     converted_config = load.load_config(resolve(converted), trust_remote_code=trust_remote_code)
+    if greedy and load.auto_class_name(converted_config) == "AutoModel":
+        raise NormswapError(
+            f"--greedy compares generated tokens, and {converted} is an encoder without an LM head "
+            "(nothing to generate); compare its outputs without --greedy"
+        )
     kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, device=device)
     model, tokenizer = load_for_eval(original, **kw)
     if tokenizer is None:

@@ -94,6 +94,33 @@ def command_input_ids(source, model_config, tokenizer, tokens: int | None, *, re
         raise NormswapError(f"{source}: {error}") from error
 
 
+def implausible_text(ppl_original: float | None, vocab_size: int | None, tokenizer: str | None) -> str | None:
+    """A note when the original model's perplexity on the check text is no better than guessing uniformly
+    among its ``vocab_size`` ids, or ``None``.
+
+    A pretrained LM on text from its own tokenizer measures 10-30 (SmolLM2-135M: 17.5 on the default text;
+    its vocabulary has 49152 ids); the ids of another tokenizer are noise to it (measured: 5e7 with
+    all-MiniLM-L6-v2's tokenizer). A random-weight model is near ``vocab_size`` on any text.
+
+    Args:
+        tokenizer: the ``--tokenizer`` the text went through, or ``None`` for the model's own.
+    """
+    import math
+
+    if ppl_original is None or not vocab_size or not (ppl_original > vocab_size or math.isnan(ppl_original)):
+        return None
+    cause = (
+        f"--tokenizer {tokenizer} is not its tokenizer: pass the model's own"
+        if tokenizer
+        else "its tokenizer files may belong to another model (--tokenizer gives the right one), or its "
+        "weights are random"
+    )
+    return (
+        f"the original model's perplexity on the check text is {ppl_original:.3g}, no better than guessing "
+        f"among its {vocab_size} token ids: the text's ids mean nothing to it; {cause}"
+    )
+
+
 def text_ids(tokenizer, text: str, tokens: int, *, source, what: str):
     """The first ``tokens`` ids of ``text`` as a ``(1, tokens)`` long tensor.
 

@@ -111,11 +111,12 @@ def check_output_file(path: str | os.PathLike, sources=(), output: str | os.Path
     """Check that a file (``--report``, ``--json``, ...) can be written at ``path``; return it absolute.
 
     Nothing is created. The file must not be, or lie inside, any input model of ``sources`` (MODEL
-    arguments) or the output directory ``output``, and its folder must exist and be writable.
+    arguments) or the output directory ``output``, and its folder must be writable or creatable (the write
+    creates missing folders, as ``--output`` does).
 
     Raises:
         NormswapError: ``path`` is a directory, would overwrite or write into an input model or the output
-            directory, or its folder does not exist or is not writable.
+            directory, or its folder cannot be created or written.
     """
     target = Path(path).expanduser().resolve()
     guarded = _inputs(list(sources))
@@ -127,8 +128,8 @@ def check_output_file(path: str | os.PathLike, sources=(), output: str | os.Path
     if target.is_dir():
         raise NormswapError(f"{path} is a directory; give a file name")
     if not target.parent.is_dir():
-        raise NormswapError(f"cannot write {path}: directory {target.parent} does not exist")
-    if not os.access(target.parent, os.W_OK | os.X_OK):
+        _check_creatable(target.parent)
+    elif not os.access(target.parent, os.W_OK | os.X_OK):
         raise NormswapError(f"cannot write {path}: directory {target.parent} is not writable")
     return target
 
@@ -355,6 +356,19 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         return json.loads(manifest.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise NormswapError(f"{manifest}: not valid JSON ({error})") from error
+
+
+def input_manifest(path: str | os.PathLike | None) -> dict[str, Any] | None:
+    """The ``normswap.json`` of an input model directory ``path`` (normswap wrote it), or ``None`` when it
+    has none, is not a directory (a GGUF file's folder counts: pass the directory) or cannot be read."""
+    if path is None:
+        return None
+    manifest = Path(path).expanduser() / MANIFEST
+    try:
+        data = json.loads(manifest.read_text()) if manifest.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def load_pretrained(

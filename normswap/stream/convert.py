@@ -67,20 +67,18 @@ class Source:
 
 
 def parse_size(text: str) -> int:
-    """``"2GiB"``, ``"1.5GB"``, ``"512MiB"`` -> bytes (accelerate's ``convert_file_size_to_int``).
+    """``"2GiB"``, ``"1.5GB"``, ``"512MiB"`` -> bytes (``normswap.options.parse_size``: powers of 1000 for
+    KB/MB/GB/TB, as accelerate's ``max_memory``, and of 1024 for KiB/MiB/GiB/TiB).
 
     Raises:
-        NormswapError: not a size accelerate understands, or not positive.
+        NormswapError: not such a size, or not positive.
     """
-    from accelerate.utils import convert_file_size_to_int
+    from normswap.options import parse_size as parse
 
     try:
-        size = int(convert_file_size_to_int(text))
-    except (ValueError, TypeError) as error:
-        raise NormswapError(f"--max-memory {text!r} is not a size (examples: 2GiB, 1.5GB, 512MiB)") from error
-    if size <= 0:
-        raise NormswapError(f"--max-memory {text!r} must be positive")
-    return size
+        return parse(text)
+    except ValueError as error:
+        raise NormswapError(f"--max-memory {error}") from error
 
 
 # What a streamed conversion needs from a hub repository besides the weights: config, index, generation
@@ -252,7 +250,7 @@ def convert_streamed(
     untie: bool = True,
     force: bool = False,
     overwrite: bool = False,
-    step=lambda message: None,
+    stages=None,
 ) -> tuple[dict[str, Any], bool]:
     """Convert ``source`` into ``output`` with bounded memory (see the module docstring).
 
@@ -263,7 +261,9 @@ def convert_streamed(
         untie: allow untying a tied ``lm_head`` to fold the final norm into it.
         force: move the output into place even when the check fails.
         overwrite: replace an existing output directory.
-        step: called with a progress message before each stage.
+        stages: a ``normswap.progress.Stages`` that times the stages walk, reference, convert (the plan,
+            the untie proof and the shards written with the folds applied), check, save, verify; the
+            report's ``timings`` has them (a fresh one when ``None``).
 
     Returns:
         ``(report dict as normswap.json holds it, whether the check passed)``. When the output was moved
@@ -275,10 +275,11 @@ def convert_streamed(
             output directory is then untouched.
     """
     from normswap.check import compare, reference_outputs
-    from normswap.convert import ConvertReport
+    from normswap.convert import ConvertReport, already_converted
     from normswap.fold import plan
     from normswap.io import files
-    from normswap.io.save import MANIFEST, _remove_stale, _replace_dir, report_dict
+    from normswap.io.save import MANIFEST, _remove_stale, _replace_dir, input_manifest, report_dict
+    from normswap.progress import Stages
     from normswap.swap import swap_norms
     from normswap.walk import walk
 
@@ -290,20 +291,25 @@ def convert_streamed(
     def records():
         return DiskRecords(spill)
 
+    stages = stages if stages is not None else Stages()
     streamed = build(source.config, source.reader, source.dtype)
-    step("finding the norms and their consumers (streamed) ...")
+    stages.start("walk", "finding the norms and their consumers (streamed)")
     walk_ids = short_inputs(input_ids)
     traced = _guarded(lambda: walk(streamed.model, walk_ids), source)
     if not traced.sites:
         raise NormswapError(f"{source.info.source}: no normalization modules found; nothing to convert")
+    already_converted(
+        source.info.source, streamed.model, traced.sites, "keep", input_manifest(source.info.path)
+    )
     release_memory()
     reference = None
     if dist.is_main():  # only the main process checks
-        step(f"running the original on {input_ids.shape[-1]} tokens (streamed) ...")
+        stages.start("reference", f"running the original on {input_ids.shape[-1]} tokens (streamed)")
         reference = _guarded(
             lambda: reference_outputs(streamed.model, input_ids, sites=traced.sites, records=records), source
         )
     release_memory()
+    stages.start("convert", f"folding the norms into {len(source.reader.files)} shard(s) as they are written")
     folding = plan(streamed.model, traced, untie=untie, read=lambda name: _values(streamed.model, name))
     untied = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else []
     plans = tensor_plans(streamed, folding, untied)
@@ -318,7 +324,6 @@ def convert_streamed(
 
     built = dist.shared_tempdir(out, prepare=take_lock)
     try:
-        step(f"writing {len(source.reader.files)} shard(s) ...")
         mine = dist.my_share(source.reader.files)
         written: dict[str, tuple] = {}
         dist.all_ok(lambda: write_shards(source.reader, plans, source.dtype, built, mine, written))
@@ -337,7 +342,7 @@ def convert_streamed(
         if dist.is_main():
             _write_metadata(source, plans, built, config)
             release_memory()
-            step("checking the converted logits (streamed) ...")
+            stages.start("check", "comparing the converted model's outputs with the original's (streamed)")
             converted = build(config, CheckpointReader(built), source.dtype)
             report.norms_swapped = swap_norms(converted.model, traced.sites)
             checked = _guarded(
@@ -355,18 +360,23 @@ def convert_streamed(
             data["streamed"] = {"shards": len(source.reader.files), "processes": dist.world_size()}
             (built / MANIFEST).write_text(files.to_json(data))
             if passed or force:
+                stages.start("save", str(out))
                 files.apply_umask(built)
                 if out.exists() and not overwrite:  # created while this process was converting
                     raise NormswapError(f"output directory {out} already exists; pass overwrite=True")
                 _replace_dir(built, out, overwrite)
                 release_memory()
-                step(f"verifying {out} by a fresh load (streamed) ...")
+                stages.start("verify", f"{out} by a fresh load (streamed)")
                 verified = _guarded(lambda: verify_streamed(out, expected), source)
+                stages.stop()
                 data["verify"] = verified.to_dict()
+                data["timings"] = dict(stages.timings)
                 if verified.passed or force:
                     (out / MANIFEST).write_text(files.to_json(data))
                 else:
                     shutil.rmtree(out, ignore_errors=True)
+            stages.stop()
+            data["timings"] = dict(stages.timings)
         else:
             data = {}
         passed = dist.broadcast(passed)
