@@ -108,8 +108,17 @@ def _stages(output: Path | None = None) -> progress.Stages:
     return stages
 
 
+def _finished() -> None:
+    """Mark the running command's results as complete (printed, written): an interrupt now changes nothing."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta[_INTERRUPT] = "finished"
+
+
 def _interrupted(meta: dict) -> str:
     """What an interrupt of the running command left, as a line for stderr (``meta``: its context's)."""
+    if meta.get(_INTERRUPT) == "finished":
+        return "normswap: interrupted after the command finished; what it printed and wrote is complete"
     stages, output = meta.get(_INTERRUPT) or (None, None)
     stage = stages.current if stages is not None else None
     where = f" during {stage}" if stage else ""
@@ -275,7 +284,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)
     report_dict["check_input"] = check_input
-    _note_check_text(report_dict, loaded.model.config, tokenizer_name)
+    _note_check_text(report_dict, tokenizer_name)
     passed = bool(checked.passed)
     saved = passed or force
     try:
@@ -310,6 +319,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     if report is not None:
         io.write_json(report, report_dict)
     click.echo(_summary(report_dict, output if saved else None, report))
+    _finished()
     verify_failed = not report_dict.get("verify", {}).get("passed", True)
     if not passed or verify_failed:
         what = "check FAILED" if not passed else "verification of the saved checkpoint FAILED"
@@ -353,7 +363,7 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
         source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, stages=stages
     )
     report_dict["check_input"] = check_input
-    _note_check_text(report_dict, source.config, tokenizer)
+    _note_check_text(report_dict, tokenizer)
     from normswap.stream import dist
 
     if not dist.is_main():
@@ -366,6 +376,7 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
     if report is not None:
         io.write_json(report, report_dict)
     click.echo(_summary(report_dict, output if saved else None, report))
+    _finished()
     if not passed or verify_failed:
         what = "check FAILED" if not passed else "verification of the saved checkpoint FAILED"
         click.echo(
@@ -375,9 +386,9 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
     return True
 
 
-def _note_check_text(report_dict: dict, config, tokenizer: str | None) -> None:
+def _note_check_text(report_dict: dict, tokenizer: str | None) -> None:
     """Add a ``note`` to the report's ``check_input`` when the original's perplexity on the check text says
-    the text means nothing to it (``check.inputs.implausible_text``), for a ``--tokenizer`` or a failed check
+    the text means little to it (``check.inputs.implausible_text``), for a ``--tokenizer`` or a failed check
     (a random-weight model that passes needs no note)."""
     from normswap.check.inputs import implausible_text
 
@@ -385,9 +396,7 @@ def _note_check_text(report_dict: dict, config, tokenizer: str | None) -> None:
     check_input = report_dict.get("check_input") or {}
     if check_input.get("source") != "text" or (tokenizer is None and check.get("passed")):
         return
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = getattr(text_config, "vocab_size", None)
-    note = implausible_text(check.get("ppl_original"), vocab if isinstance(vocab, int) else None, tokenizer)
+    note = implausible_text(check.get("ppl_original"), tokenizer)
     if note:
         check_input["note"] = note
 

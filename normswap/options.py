@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from normswap.errors import NormswapError
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
@@ -31,16 +33,20 @@ def parse_size(text: str) -> int:
     return size
 
 
+def _name(param) -> str:
+    return max(param.opts, key=len) if param is not None and param.opts else "value"
+
+
 def size_option(name: str, **kwargs):
-    """A click option whose value is a size string (``parse_size``), refused as a usage error at once,
-    before any heavy import."""
+    """A click option whose value is a size string (``parse_size``); a bad one is bad input (one line, exit
+    2) at once, before any heavy import."""
 
     def check(ctx, param, value):
         if value is not None:
             try:
                 parse_size(value)
             except ValueError as error:
-                raise click.BadParameter(str(error)) from None
+                raise NormswapError(f"{_name(param)} {error}") from None
         return value
 
     return click.option(name, callback=check, metavar="SIZE", **kwargs)
@@ -64,9 +70,9 @@ _FILE_SUFFIXES = tuple(".safetensors .bin .pt .pth .ckpt .gguf .json .onnx .h5 .
 class OutputPath(click.Path):
     """A path a command writes to: ``--output`` (a directory, ``directory=True``) or a report file.
 
-    Refused at once, as a usage error: an empty value (``-o ''`` would be the current directory), and for a
-    directory a name with a model file's suffix (``-o model.safetensors``: the checkpoint is a folder of
-    files, so that would create a folder named like a file).
+    Refused at once, as bad input (one line, exit 2): an empty value (``-o ''`` would be the current
+    directory), and for a directory a name with a model file's suffix (``-o model.safetensors``: the
+    checkpoint is a folder of files, so that would create a folder named like a file).
     """
 
     def __init__(self, *, directory: bool = False) -> None:
@@ -76,15 +82,15 @@ class OutputPath(click.Path):
     def convert(self, value, param, ctx):
         if isinstance(value, str):
             if not value.strip():
-                self.fail("is empty; name a " + ("directory" if self.directory else "file"), param, ctx)
+                what = "directory" if self.directory else "file"
+                raise NormswapError(f"{_name(param)} is empty; name a {what}")
             if self.directory and value.lower().rstrip("/").endswith(_FILE_SUFFIXES):
                 name = value.rstrip("/")
                 stem = name.rsplit(".", 1)[0] or "converted"
-                self.fail(
-                    f"{name!r} names a file, but the converted checkpoint is a directory (config.json, "
-                    f"model.safetensors, normswap.json, ...); name a directory, e.g. {stem + '-normswap'!r}",
-                    param,
-                    ctx,
+                raise NormswapError(
+                    f"{_name(param)} {name!r} names a file, but the converted checkpoint is a directory "
+                    f"(config.json, model.safetensors, normswap.json, ...); name a directory, e.g. "
+                    f"{stem + '-normswap'!r}"
                 )
         return super().convert(value, param, ctx)
 
@@ -93,7 +99,6 @@ def model_name(ctx, param, value):
     """click callback of a MODEL argument or option: a mistyped short name (``SmolLM2-135M``) is answered at
     once, before the heavy imports and without asking the hub (``normswap.catalog.misspelled``)."""
     from normswap.catalog import misspelled
-    from normswap.errors import NormswapError
 
     problem = misspelled(value) if isinstance(value, str) else None
     if problem:
