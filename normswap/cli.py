@@ -1,6 +1,7 @@
 """Command-line interface: thin click commands over the Python API (no logic lives here).
 
-Exit codes: 0 success, 1 the logits check failed, 2 bad input or usage (one line on stderr).
+Exit codes: 0 success, 1 the logits check failed, 2 bad input or usage (one line on stderr), 130 interrupted.
+Progress lines and stage times (``normswap.progress``) go to stderr only when it is a terminal.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class _Group(click.Group):
             except OSError as error:  # stdout closed early (| head): quiet, as click's standalone mode
                 if error.errno != errno.EPIPE:
                     raise
-                sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the interpreter closes it at exit
+                sys.stdout = open(os.devnull, "w")  # the interpreter closes it at exit
                 sys.exit(1)
             sys.exit(code if isinstance(code, int) else 0)
         except KeyboardInterrupt:  # pressed again within the handlers above
