@@ -429,10 +429,14 @@ def inspect(model, dtype, trust_remote_code, device, device_map, json_path):
     _quiet_transformers()
     if json_path is not None:
         io.check_output_file(json_path, [model])
+    stages = _stages()
+    stages.start("load", f"{model} ({dtype})")
     loaded = io.load_model(
         model, dtype=dtype, trust_remote_code=trust_remote_code, device=device, device_map=device_map
     )
+    stages.start("walk", "finding the norms and their consumers")
     traced = walk(loaded.model)
+    stages.stop()
     sites = traced.sites
     for name, error in traced.probe_failures.items():
         click.echo(f"normswap: warning: {name}: probing failed ({error}); not listed as a norm", err=True)

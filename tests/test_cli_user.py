@@ -105,6 +105,18 @@ def test_progress_lines_on_a_terminal(tiny_gguf, tmp_path, showing):
         assert any(re.fullmatch(rf"normswap: {stage}: (.*, )?[\d.]+ s", line) for line in lines), lines
 
 
+def test_inspect_and_check_show_their_stages_too(tiny_gguf, tmp_path, showing):
+    result = run("inspect", tiny_gguf)
+    assert result.exit_code == 0 and re.search(r"^normswap: walk: [\d.]+ s$", result.stderr, re.M), (
+        result.output
+    )
+    assert run("convert", tiny_gguf, "-o", tmp_path / "out", "--tokens", "16").exit_code == 0
+    result = run("check", tiny_gguf, tmp_path / "out", "--tokens", "16")
+    assert result.exit_code == 0, result.output
+    for stage in ("load", "reference", "check"):
+        assert re.search(rf"^normswap: {stage}: [\d.]+ s$", result.stderr, re.M), result.stderr
+
+
 def test_streamed_convert_says_it_streams_and_times_its_stages(tiny_dir, tmp_path, showing):
     out, report = tmp_path / "out", tmp_path / "r.json"
     result = run("convert", tiny_dir, "-o", out, "--tokens", "32", "--max-memory", "4KB", "--report", report)

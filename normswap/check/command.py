@@ -75,6 +75,7 @@ def check_command(
     )
     from normswap.evaluate import load_for_eval, read_text
     from normswap.io import check_output_file, load, quiet_loading, resolve, write_json
+    from normswap.progress import Stages
 
     quiet_loading()
     if report:
@@ -87,6 +88,8 @@ def check_command(
             "(nothing to generate); compare its outputs without --greedy"
         )
     kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, device=device)
+    stages = Stages()
+    stages.start("load", f"{original} ({dtype})")
     model, tokenizer = load_for_eval(original, **kw)
     if tokenizer is None:
         raise NormswapError(f"{original}: no tokenizer found")
@@ -104,14 +107,18 @@ def check_command(
     names = {name for name, _ in model.named_modules()}
     if sites and not all(site.name in names for site in sites):
         raise NormswapError(f"{converted}: its norm sites are not modules of {original} (different models?)")
+    stages.start("reference", f"running {original} on {count} tokens")
     reference = reference_outputs(model, input_ids, sites=sites, greedy_tokens=greedy)
     del model  # lean: one model in memory at a time
+    stages.start("load", f"{converted} ({dtype})")
     other, _ = load_for_eval(converted, tokenizer=False, **kw)
+    stages.start("check", f"running {converted} and comparing")
     try:
         tolerance = None if max_abs is None else {"max_abs": max_abs}
         result = compare(reference, other, tolerance=tolerance, sites=sites)
     except (ValueError, KeyError, AttributeError) as error:  # a model of another architecture
         raise NormswapError(f"{converted}: {error}") from error
+    stages.stop()
     if report:
         write_json(report, result.to_dict())
     click.echo(result.summary())
