@@ -506,7 +506,7 @@ def load_model(
         device: ``"cpu"`` (default), ``"auto"`` (the first CUDA GPU if any), ``"cuda"``, ``"cuda:N"`` or a
             ``torch.device`` (``normswap.device.resolve_device``); the weights load straight onto it.
         device_map: passed to ``from_pretrained`` instead of ``device`` (``"auto"``: accelerate spreads the
-            layers over the GPUs; see README for the memory each mode needs).
+            layers over the GPUs; docs/GPU.md gives the memory each mode needs).
 
     Returns:
         ``LoadedModel(model, tokenizer, info)``.
