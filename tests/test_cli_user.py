@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -131,22 +132,30 @@ def test_streamed_convert_says_it_streams_and_times_its_stages(tiny_dir, tmp_pat
 
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
 def test_terminal_detection_in_a_real_process(tiny_gguf, tmp_path):
-    """The real decision: stderr on a pseudo-terminal shows the lines, a pipe does not."""
+    """The real decision: stderr on a pseudo-terminal shows the lines (off a terminal none show:
+    test_convert_reports_timings_and_is_silent_off_a_terminal)."""
     primary, secondary = os.openpty()
     args = [sys.executable, "-m", "normswap", "convert", str(tiny_gguf), "-o", str(tmp_path / "out"),
             "--tokens", "16"]  # fmt: skip
-    proc = subprocess.run(args, stdout=subprocess.PIPE, stderr=secondary, cwd=REPO, timeout=300)
+    chunks: list[bytes] = []
+
+    def drain():  # read while the process runs: a full terminal buffer would block its writes
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # EIO: the last writer closed
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    proc = subprocess.run(args, stdout=subprocess.PIPE, stderr=secondary, cwd=REPO, timeout=600)
     os.close(secondary)
-    seen = b""
-    while True:
-        try:
-            chunk = os.read(primary, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        seen += chunk
+    reader.join(timeout=60)
     os.close(primary)
+    seen = b"".join(chunks)
     assert proc.returncode == 0, seen
     assert b"normswap: load: " in seen and b"normswap: verify: " in seen
 
