@@ -40,38 +40,57 @@ class _Group(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
         except NormswapError as error:
+            if _sigint.seen:  # a library turned the KeyboardInterrupt into an error (see _Sigint)
+                raise KeyboardInterrupt from error
             click.echo(f"normswap: error: {_cli_wording(str(error))}", err=True)
             ctx.exit(2)
+        except SystemExit:  # the command chose its exit code after its work
+            ctx.meta[_INTERRUPT] = "finished"
+            raise
+        ctx.meta[_INTERRUPT] = "finished"
+        return result
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        """click's ``main``, except that Ctrl-C exits 130 wherever it lands. (click's standalone mode turns
-        an interrupt that lands outside the command body, while click parses the arguments or between the
-        command's end and the exit, into "Aborted!" and exit code 1.)"""
+        """click's ``main``, except that Ctrl-C exits 130 wherever it lands: click's standalone mode turns an
+        interrupt outside the command body (while click parses the arguments, or between the command's end
+        and the exit) into "Aborted!" and exit code 1, and a library may turn it into another error."""
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
-            try:
-                code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-            except click.Abort as error:  # click raises it from a KeyboardInterrupt (or an EOF at a prompt)
-                if not isinstance(error.__context__, KeyboardInterrupt):
-                    click.echo("Aborted!", err=True)
+            with _sigint:
+                code, interrupted = None, False
+                try:
+                    code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+                except click.Abort as error:  # click raises it from a KeyboardInterrupt or an EOF at a prompt
+                    interrupted = isinstance(error.__context__, KeyboardInterrupt)
+                    if not (interrupted or _sigint.seen):
+                        click.echo("Aborted!", err=True)
+                        sys.exit(1)
+                except click.ClickException as error:
+                    if not _sigint.seen:
+                        error.show()
+                        sys.exit(error.exit_code)
+                except OSError as error:  # stdout closed early (| head): quiet, as click's standalone mode
+                    if error.errno != errno.EPIPE or _sigint.seen:
+                        raise
+                    sys.stdout = open(os.devnull, "w")  # the interpreter closes it at exit
                     sys.exit(1)
+                except (Exception, SystemExit):
+                    if not _sigint.seen:
+                        raise
+                if not (interrupted or _sigint.seen):
+                    sys.exit(code if isinstance(code, int) else 0)
                 with _no_interrupts():  # one clean line, even if Ctrl-C is pressed again
                     click.echo(_interrupted(self._meta), err=True)
                 sys.exit(130)
-            except click.ClickException as error:
-                error.show()
-                sys.exit(error.exit_code)
-            except OSError as error:  # stdout closed early (| head): quiet, as click's standalone mode
-                if error.errno != errno.EPIPE:
-                    raise
-                sys.stdout = open(os.devnull, "w")  # the interpreter closes it at exit
-                sys.exit(1)
-            sys.exit(code if isinstance(code, int) else 0)
         except KeyboardInterrupt:  # pressed again within the handlers above
             sys.exit(130)
+        except Exception:  # the error a library made of an interrupt
+            if _sigint.seen:
+                sys.exit(130)
+            raise
 
     def make_context(self, info_name, args, parent=None, **extra):
         ctx = super().make_context(info_name, args, parent=parent, **extra)
@@ -79,6 +98,36 @@ class _Group(click.Group):
         return ctx
 
     _meta: dict = {}
+
+
+class _Sigint:
+    """While the CLI runs (``with _sigint:``), SIGINT raises KeyboardInterrupt as Python's own handler does
+    and also sets ``seen``: some libraries catch every exception while they import a module and leave
+    another error behind (transformers then reports "Could not import module 'LlamaConfig'"), so the CLI
+    asks ``seen``, not the exception, whether the user pressed Ctrl-C. Outside the main thread: a no-op."""
+
+    seen = False
+
+    def _handler(self, signum, frame):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        import signal
+
+        self.seen, self._previous = False, None
+        with contextlib.suppress(ValueError):  # not the main thread
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+_sigint = _Sigint()
 
 
 @contextlib.contextmanager

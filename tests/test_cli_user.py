@@ -261,6 +261,38 @@ def test_ctrl_c_exits_130_and_says_what_state_the_output_is_in(where, says, tiny
     assert (tmp_path / "out").exists() == (where in ("verify", "after"))
 
 
+def test_ctrl_c_that_a_library_turns_into_another_error(tiny_gguf, tmp_path, monkeypatch):
+    """Measured: SIGINT while transformers imports a model module became "Could not import module
+    'LlamaConfig'" (its lazy importer turns what it catches into that error), exit 2. The CLI asks whether
+    SIGINT arrived, not which exception came out."""
+    from normswap import io
+
+    def swallowing(*args, **kwargs):
+        try:
+            signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, through the installed handler
+        except KeyboardInterrupt as error:
+            raise NormswapError(
+                "x: cannot read the GGUF file (ModuleNotFoundError: Could not import)"
+            ) from error
+
+    monkeypatch.setattr(io, "load_model", swallowing)
+    result = run("convert", tiny_gguf, "-o", tmp_path / "out")
+    assert result.exit_code == 130 and "normswap: error" not in result.stderr, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"normswap: interrupted during load; nothing was written ({tmp_path / 'out'} is as it was before)"
+    )
+
+    def crashing(*args, **kwargs):  # the same with an exception that is not bad input
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            raise RuntimeError("partially initialized module") from None
+
+    monkeypatch.setattr(io, "load_model", crashing)
+    assert run("convert", tiny_gguf, "-o", tmp_path / "out").exit_code == 130
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after the command
+
+
 def test_ctrl_c_in_the_handler_still_exits_130(tiny_gguf, tmp_path, monkeypatch):
     """A second Ctrl-C while the first one's line is written."""
     from normswap import cli, io
