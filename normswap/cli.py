@@ -290,6 +290,7 @@ def main() -> None:
 def convert(model, output, report, norm, dtype, trust_remote_code, device, device_map, tokens, force,
             overwrite, no_untie, tokenizer_name, max_memory):  # fmt: skip
     """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
+    stages = _stages(output)  # before the imports: an interrupt names the output from the start
     from normswap import io
     from normswap.check import compare, reference_outputs
     from normswap.convert import already_converted, no_norms_message
@@ -302,7 +303,6 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         io.check_output_file(report, [model], output)
     options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
                    overwrite=overwrite, no_untie=no_untie)  # fmt: skip
-    stages = _stages(output)
     if max_memory is not None and _convert_streamed(
         model, output, report, max_memory, device=device, device_map=device_map, tokenizer=tokenizer_name,
         stages=stages, **options,
