@@ -1,4 +1,4 @@
-"""How long the CLI takes to answer ``--help``, ``--version`` and a usage error, beside ``import torch``.
+"""How long the CLI takes to answer ``--help``, ``--version`` and bad input, beside ``import torch``.
 
     python benchmarks/cli_startup.py [--repeats N]
 
@@ -23,6 +23,8 @@ COMMANDS = {
     "normswap --version": ["-m", "normswap", "--version"],
     "normswap convert --help": ["-m", "normswap", "convert", "--help"],
     "normswap convert (usage error)": ["-m", "normswap", "convert"],
+    "normswap convert SmolLM2-135M (mistyped)": ["-m", "normswap", "convert", "SmolLM2-135M", "-o", "x"],
+    "normswap convert --max-memory a": ["-m", "normswap", "convert", "x", "-o", "y", "--max-memory", "a"],
     'python -c "import torch"': ["-c", "import torch"],
 }
 

@@ -1,21 +1,23 @@
 """Command-line interface: thin click commands over the Python API (no logic lives here).
 
-Exit codes: 0 success, 1 the logits check failed, 2 bad input or usage (one line on stderr).
+Exit codes: 0 success, 1 the logits check failed, 2 bad input or usage (one line on stderr), 130 interrupted.
+Progress lines and stage times (``normswap.progress``) go to stderr only when it is a terminal.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import sys
-import time
 from pathlib import Path
 
 import click
 
+from normswap import progress
 from normswap.errors import NormswapError
-from normswap.options import device_option
+from normswap.options import OutputPath, device_option, model_name, size_option
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -32,23 +34,152 @@ def _cli_wording(message: str) -> str:
 
 
 class _Group(click.Group):
-    """Turns a ``NormswapError`` raised by any command into one stderr line and exit code 2."""
+    """Turns a ``NormswapError`` raised by any command into one stderr line and exit code 2, and an
+    interrupt (Ctrl-C) at any moment into exit code 130 with a line saying what state the output is in."""
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
         except NormswapError as error:
+            if _sigint.seen:  # a library turned the KeyboardInterrupt into an error (see _Sigint)
+                raise KeyboardInterrupt from error
             click.echo(f"normswap: error: {_cli_wording(str(error))}", err=True)
             ctx.exit(2)
-        except KeyboardInterrupt:  # the conventional 128 + SIGINT, not the "check failed" code
-            click.echo("normswap: interrupted", err=True)
-            ctx.exit(130)
+        except SystemExit:  # the command chose its exit code after its work
+            ctx.meta[_INTERRUPT] = "finished"
+            raise
+        ctx.meta[_INTERRUPT] = "finished"
+        return result
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """click's ``main``, except that Ctrl-C exits 130 wherever it lands: click's standalone mode turns an
+        interrupt outside the command body (while click parses the arguments, or between the command's end
+        and the exit) into "Aborted!" and exit code 1, and a library may turn it into another error."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            with _sigint:
+                code, interrupted = None, False
+                try:
+                    code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+                except click.Abort as error:  # click raises it from a KeyboardInterrupt or an EOF at a prompt
+                    interrupted = isinstance(error.__context__, KeyboardInterrupt)
+                    if not (interrupted or _sigint.seen):
+                        click.echo("Aborted!", err=True)
+                        sys.exit(1)
+                except click.ClickException as error:
+                    if not _sigint.seen:
+                        error.show()
+                        sys.exit(error.exit_code)
+                except OSError as error:  # stdout closed early (| head): quiet, as click's standalone mode
+                    if error.errno != errno.EPIPE or _sigint.seen:
+                        raise
+                    sys.stdout = open(os.devnull, "w")  # the interpreter closes it at exit
+                    sys.exit(1)
+                except (Exception, SystemExit):
+                    if not _sigint.seen:
+                        raise
+                if not (interrupted or _sigint.seen):
+                    sys.exit(code if isinstance(code, int) else 0)
+                with _no_interrupts():  # one clean line, even if Ctrl-C is pressed again
+                    click.echo(_interrupted(self._meta), err=True)
+                sys.exit(130)
+        except KeyboardInterrupt:  # pressed again within the handlers above
+            sys.exit(130)
+        except Exception:  # the error a library made of an interrupt
+            if _sigint.seen:
+                sys.exit(130)
+            raise
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        ctx = super().make_context(info_name, args, parent=parent, **extra)
+        self._meta = ctx.meta  # shared by the command's context: where _stages leaves its record
+        return ctx
+
+    _meta: dict = {}
 
 
-def _step(message: str) -> None:
-    """One progress line on stderr, only when stderr is a terminal (scripts see results and errors only)."""
-    if sys.stderr.isatty():
-        click.echo(f"normswap: {message}", err=True)
+class _Sigint:
+    """While the CLI runs (``with _sigint:``), SIGINT raises KeyboardInterrupt as Python's own handler does
+    and also sets ``seen``: some libraries catch every exception while they import a module and leave
+    another error behind (transformers then reports "Could not import module 'LlamaConfig'"), so the CLI
+    asks ``seen``, not the exception, whether the user pressed Ctrl-C. Outside the main thread: a no-op."""
+
+    seen = False
+
+    def _handler(self, signum, frame):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        import signal
+
+        self.seen, self._previous = False, None
+        with contextlib.suppress(ValueError):  # not the main thread
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+_sigint = _Sigint()
+
+
+@contextlib.contextmanager
+def _no_interrupts():
+    """Within the block, SIGINT is ignored (restored after; a no-op outside the main thread)."""
+    import signal
+
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+_INTERRUPT = "normswap.interrupt"  # click context meta: (Stages, output path) of the running command
+
+
+def _stages(output: Path | None = None) -> progress.Stages:
+    """A ``Stages`` for this command, remembered so that an interrupt can say what state ``output`` is in."""
+    stages = progress.Stages()
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta[_INTERRUPT] = (stages, output)
+    return stages
+
+
+def _finished() -> None:
+    """Mark the running command's results as complete (printed, written): an interrupt now changes nothing."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta[_INTERRUPT] = "finished"
+
+
+def _interrupted(meta: dict) -> str:
+    """What an interrupt of the running command left, as a line for stderr (``meta``: its context's)."""
+    if meta.get(_INTERRUPT) == "finished":
+        return "normswap: interrupted after the command finished; what it printed and wrote is complete"
+    stages, output = meta.get(_INTERRUPT) or (None, None)
+    stage = stages.current if stages is not None else None
+    where = f" during {stage}" if stage else ""
+    if output is None:
+        return f"normswap: interrupted{where}; nothing was written"
+    if stage in ("save", "verify"):
+        return (
+            f"normswap: interrupted while {'saving' if stage == 'save' else 'verifying'}; {output} is as it "
+            "was before, or holds the complete new checkpoint if its verification had passed (it is written "
+            "and verified beside the output and replaces it in one step), never a partial one"
+        )
+    return f"normswap: interrupted{where}; nothing was written ({output} is as it was before)"
 
 
 def _quiet_transformers() -> None:
@@ -94,6 +225,7 @@ def main() -> None:
     Exit codes: 0 success, 1 the logits check (or the verification of the saved copy) failed, 2 bad input,
     130 interrupted.
     """
+    progress.show(sys.stderr.isatty())  # progress lines for a person at a terminal; scripts get none
     if os.environ.get("NORMSWAP_BACKEND") is None:
         return  # nothing to check, and no torch import for a command's --help or usage error
     from normswap.kernels import resolve_backend
@@ -105,16 +237,16 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("model")
+@click.argument("model", callback=model_name)
 @click.option(
     "--output",
     "-o",
     "output",
     required=True,
-    type=click.Path(path_type=Path),
+    type=OutputPath(directory=True),
     help="Directory to write the converted checkpoint to (must not exist, see --overwrite).",
 )
-@click.option("--report", type=click.Path(path_type=Path), help="Write the conversion report as JSON here.")
+@click.option("--report", type=OutputPath(), help="Write the conversion report as JSON here.")
 @click.option(
     "--norm",
     type=click.Choice(["keep", "rmsnorm"]),
@@ -167,19 +299,19 @@ def main() -> None:
     is_flag=True,
     help="With --rotate, also rotate each attention head's values and output projection by one H.",
 )
-@click.option(
+@size_option(
     "--max-memory",
-    metavar="SIZE",
     help="Hold at most about SIZE of weights (2GiB, 500MB, ...): a larger safetensors model directory is "
     "streamed shard by shard (docs/STREAMING.md).",
 )
 def convert(model, output, report, norm, dtype, trust_remote_code, device, device_map, tokens, force,
             overwrite, no_untie, tokenizer_name, rotate, rotate_seed, rotate_heads, max_memory):  # fmt: skip
     """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
+    stages = _stages(output)  # before the imports: an interrupt names the output from the start
     from normswap import io
     from normswap.check import compare, reference_outputs
+    from normswap.convert import already_converted, no_norms_message
     from normswap.convert import convert as convert_model
-    from normswap.convert import no_norms_message
     from normswap.io import carry
     from normswap.rotate import ROTATION_FILE, check_saved, rotate_reference
     from normswap.walk import short_inputs, walk
@@ -197,11 +329,10 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
                    overwrite=overwrite, no_untie=no_untie)  # fmt: skip
     if max_memory is not None and _convert_streamed(
         model, output, report, max_memory, device=device, device_map=device_map, tokenizer=tokenizer_name,
-        report_file=report_file, **options,
+        report_file=report_file, stages=stages, **options,
     ):  # fmt: skip
         return
-    t0 = time.perf_counter()
-    _step(f"loading {model} ({dtype}) ...")
+    stages.start("load", f"{model} ({dtype})")
     loaded = io.load_model(
         model,
         dtype=dtype,
@@ -210,35 +341,39 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         device=device,
         device_map=device_map,
     )
-    _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
-    inputs = carry.gather(loaded.info, loaded.model)  # tensors the class does not run, model card, shards
+    stages.stop(f"{loaded.info.architecture} from {loaded.info.path}")
+    inputs = carry.gather(loaded.info, loaded.model)  # tensors the class does not run, other files, shards
     if norm != "keep" or rotate is not None:
         option = f"--norm {norm}" if rotate is None else f"--rotate {rotate}"
         carry.refuse_changed_stream(model, loaded.model, inputs.skipped, option)
     input_ids, check_input = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens, loaded.model)
-    _step("finding the norms and their consumers ...")
+    stages.start("walk", "finding the norms and their consumers")
     traced = walk(loaded.model, short_inputs(input_ids))  # the dataflow does not depend on the length
     if not traced.sites:
         raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
+    manifest = io.input_manifest(loaded.info.path) if loaded.info.kind == "dir" else None
+    already_converted(model, loaded.model, traced.sites, norm, manifest)
     inputs.kept = carry.keep_final_norms(loaded.model, traced.sites, inputs.skipped)
     on = f"random {check_input['input']}" if "input" in check_input else f"{input_ids.shape[-1]} tokens"
-    _step(f"running the original on {on} ...")
+    stages.start("reference", f"running the original on {on}")
     reference = reference_outputs(loaded.model, input_ids, sites=traced.sites)
-    _step("converting ...")
+    stages.start("convert", "folding and swapping the norms" + (f", rotating ({rotate})" if rotate else ""))
     traced_with = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
     result = convert_model(loaded.model, norm=norm, untie=not no_untie, traced=traced, rotate=rotate,
                            rotate_seed=rotate_seed, rotate_heads=rotate_heads, **traced_with)  # fmt: skip
     if result.rotation is not None:  # the original's stream records, as the rotated model computes them
         rotate_reference(reference, result.rotation)
-    _step("checking the converted logits ...")
+    stages.start("check", "comparing the converted model's outputs with the original's")
     checked = compare(reference, loaded.model, input_ids)
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)
     report_dict["check_input"] = check_input
     if inputs:
         report_dict["carried"] = inputs.to_dict()
+    _note_check_text(report_dict, tokenizer_name)
     passed = bool(checked.passed)
     saved = passed or force
+    stages.stop()
     if saved:
         del traced, reference
         rotation = result.rotation
@@ -246,20 +381,24 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         try:  # written and verified beside OUT; OUT is replaced only then (io.staging)
             verified = io.save_and_verify(
                 loaded, report_dict, output, input_ids, overwrite=overwrite, force=force, inputs=inputs,
-                input_path=model, trust_remote_code=trust_remote_code, step=_step, extra_tensors=extra,
+                input_path=model, trust_remote_code=trust_remote_code, stages=stages, extra_tensors=extra,
                 check_extra=None if rotation is None else lambda folder: check_saved(folder, rotation),
             )  # fmt: skip
         except NormswapError:
             if report is not None:  # the report still tells what was converted, where it can be written
                 report_dict["saved"] = False
+                report_dict["timings"] = dict(stages.timings)
                 with contextlib.suppress(NormswapError):
                     io.write_json(report_file, report_dict)
             raise
         saved = verified.passed or force
+    stages.stop()
+    report_dict["timings"] = dict(stages.timings)
     report_dict["saved"] = saved
     if report is not None:
         io.write_json(report_file, report_dict)
     click.echo(_summary(report_dict, output if saved else None, report))
+    _finished()
     verify_failed = not report_dict.get("verify", {}).get("passed", True)
     if not passed or verify_failed:
         what = "check FAILED" if not passed else "verification of the saved checkpoint FAILED"
@@ -269,8 +408,9 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         raise SystemExit(1)
 
 
-def _convert_streamed(model, output, report, max_memory, *, device, device_map, tokenizer, report_file, norm,
-                      dtype, trust_remote_code, tokens, force, overwrite, no_untie) -> bool:  # fmt: skip
+def _convert_streamed(model, output, report, max_memory, *, device, device_map, tokenizer, report_file,
+                      stages, norm, dtype, trust_remote_code, tokens, force, overwrite,
+                      no_untie) -> bool:  # fmt: skip
     """``convert --max-memory``: False when the model fits in the budget (the in-memory path then runs),
     else the streamed conversion (``normswap.stream``, on the CPU), with the same outputs, messages and exit
     codes; options it cannot honour (``--norm rmsnorm``, ``--device-map``, a ``--device`` other than the
@@ -281,8 +421,12 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
 
     budget = stream.parse_size(max_memory)
     target = resolve_device(device)  # an unknown device is refused before anything is read
+    stages.start("load", f"{model} ({dtype}): shard headers, config, tokenizer")
     source = stream.open_source(model, dtype, trust_remote_code, tokenizer)
+    stages.stop()
+    weights = f"{_size(source.nbytes)} of weights"
     if source.nbytes <= budget:
+        progress.note(f"{weights} fit in --max-memory {max_memory}: converting in memory")
         return False
     streaming = "is not available when streaming (the model exceeds --max-memory)"
     if norm != "keep":
@@ -291,12 +435,15 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
         raise NormswapError(f"--device-map {streaming}; streaming runs on the CPU")
     if target.type != "cpu" and device != "auto":
         raise NormswapError(f"--device {device} {streaming}; streaming runs on the CPU")
-    _step(f"{model}: {source.nbytes / 2**30:.2f} GiB of weights > --max-memory {max_memory}: streaming (CPU)")
+    progress.note(
+        f"streaming: budget {max_memory}, {weights} in {len(source.reader.files)} shard(s), on the CPU"
+    )
     input_ids, check_input = _check_ids(model, source.config, source.tokenizer, tokens)
     report_dict, passed = stream.convert_streamed(
-        source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, step=_step
+        source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, stages=stages
     )
     report_dict["check_input"] = check_input
+    _note_check_text(report_dict, tokenizer)
     from normswap.stream import dist
 
     if not dist.is_main():
@@ -309,6 +456,7 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
     if report is not None:
         io.write_json(report_file, report_dict)
     click.echo(_summary(report_dict, output if saved else None, report))
+    _finished()
     if not passed or verify_failed:
         what = "check FAILED" if not passed else "verification of the saved checkpoint FAILED"
         click.echo(
@@ -331,6 +479,21 @@ def _refuse_streamed_rotation(model, max_memory, dtype, trust_remote_code, token
         )
 
 
+def _note_check_text(report_dict: dict, tokenizer: str | None) -> None:
+    """Add a ``note`` to the report's ``check_input`` when the original's perplexity on the check text says
+    the text means little to it (``check.inputs.implausible_text``), for a ``--tokenizer`` or a failed check
+    (a random-weight model that passes needs no note)."""
+    from normswap.check.inputs import implausible_text
+
+    check = report_dict.get("check") or {}
+    check_input = report_dict.get("check_input") or {}
+    if check_input.get("source") != "text" or (tokenizer is None and check.get("passed")):
+        return
+    note = implausible_text(check.get("ppl_original"), tokenizer)
+    if note:
+        check_input["note"] = note
+
+
 def _check_ids(model: str, config, tokenizer, tokens: int | None, loaded=None):
     """The check's token ids for a model of ``config`` and how they were made (for the report); bad
     tokenizers and over-long requests are bad input (exit 2). Without a tokenizer: ids drawn from the
@@ -351,11 +514,9 @@ def _check_ids(model: str, config, tokenizer, tokens: int | None, loaded=None):
 
 
 @main.command()
-@click.argument("model")
+@click.argument("model", callback=model_name)
 @_load_options(dtype_help="Precision the model is loaded and inspected in.")
-@click.option(
-    "--json", "json_path", type=click.Path(path_type=Path), help="Write the site list as JSON here."
-)
+@click.option("--json", "json_path", type=OutputPath(), help="Write the site list as JSON here.")
 def inspect(model, dtype, trust_remote_code, device, device_map, json_path):
     """List every norm of MODEL: kind, convention, eps, cast order, consumers, foldable or why not."""
     from normswap import io
@@ -365,10 +526,14 @@ def inspect(model, dtype, trust_remote_code, device, device_map, json_path):
     _quiet_transformers()
     if json_path is not None:
         io.check_output_file(json_path, [model])
+    stages = _stages()
+    stages.start("load", f"{model} ({dtype})")
     loaded = io.load_model(
         model, dtype=dtype, trust_remote_code=trust_remote_code, device=device, device_map=device_map
     )
+    stages.start("walk", "finding the norms and their consumers")
     traced = walk(loaded.model)
+    stages.stop()
     sites = traced.sites
     for name, error in traced.probe_failures.items():
         click.echo(f"normswap: warning: {name}: probing failed ({error}); not listed as a norm", err=True)
@@ -426,11 +591,8 @@ def _tolerance_text(tol: dict, output_name: str = "logit") -> str:
 
 
 def _size(nbytes: int) -> str:
-    """``32768`` -> ``"32.0 KiB"``: bytes in the largest binary unit that keeps the number at least 1."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
+    """``32768`` -> ``"32.0 KiB"`` (``progress.size``)."""
+    return progress.size(nbytes)
 
 
 def _summary(report: dict, output: Path | None, report_path: Path | None) -> str:
@@ -492,6 +654,8 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
         copied = ", ".join(carried.get("files") or []) or "none"
         skipped = "; not copied: " + ", ".join(carried["not_copied"]) if carried.get("not_copied") else ""
         lines.append(f"copied:   {copied} (other files of the input){skipped}")
+    if check_input.get("note"):
+        lines.append(f"note:     {check_input['note']}")
     if output is not None:
         lines.append(f"saved:    {output}")
     verify = report.get("verify")
@@ -501,12 +665,16 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
         lines.append(f"verified: {describe(verify)}")
     if report_path is not None:
         lines.append(f"report:   {report_path}")
+    timings = report.get("timings") or {}
+    if timings:
+        stages = ", ".join(f"{name} {seconds:.1f}" for name, seconds in timings.items())
+        lines.append(f"time:     {progress.seconds(sum(timings.values()))} ({stages})")
     return "\n".join(lines)
 
 
 # -- zoo (owned by the walker's maintainer; the logic lives in normswap/zoo.py) -------------------------
 @main.command()
-@click.option("--output", "-o", type=click.Path(path_type=Path), help="Write the Markdown table here.")
+@click.option("--output", "-o", type=OutputPath(), help="Write the Markdown table here.")
 @click.option("--only", multiple=True, metavar="NAME", help="Run only these zoo rows (repeatable).")
 @device_option
 def zoo(output, only, device):
@@ -526,8 +694,8 @@ def zoo(output, only, device):
         check_output_file(output)
     entries = [e for e in zoo_lib.ZOO if not only or e.name in only]
     target = resolve_device(device)
-    progress = lambda r: _step(f"{r.name}: {'ok' if r.passed else 'FAIL'}")  # noqa: E731
-    results = zoo_lib.run_zoo(entries, progress=progress, device=target)
+    note = lambda r: progress.note(f"{r.name}: {'ok' if r.passed else 'FAIL'}")  # noqa: E731
+    results = zoo_lib.run_zoo(entries, progress=note, device=target)
     table = zoo_lib.coverage_markdown(results)
     if output is not None:
         from normswap.io import write_text

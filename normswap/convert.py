@@ -110,6 +110,52 @@ def no_norms_message(result: Walk) -> str:
     return message
 
 
+def at_identity(model: nn.Module, site: NormSite) -> bool:
+    """Whether norm ``site`` of ``model`` already holds its identity affine parameters: weight ``1 - offset``
+    (1, or 0 for Gemma's ``1 + w``) and bias 0 (as a fold leaves it); a parameter-free norm always does."""
+    module = model.get_submodule(site.name)
+    for attr, value in ((site.weight, 1.0 - site.offset), (site.bias, 0.0)):
+        tensor = getattr(module, attr, None) if attr else None
+        if tensor is None:
+            continue
+        tensor = tensor.detach()
+        if tensor.is_meta or (tensor.numel() and tensor.untyped_storage().nbytes() == 0):
+            return False  # its values are elsewhere (offloaded, or streamed from disk): not known here
+        if not bool(torch.all(tensor == value)):
+            return False
+    return True
+
+
+def already_converted(source: str, model: nn.Module, sites: list[NormSite], norm: str, manifest) -> None:
+    """Refuse a conversion that would change nothing: ``model`` was converted before.
+
+    That is when ``manifest`` (the input's ``normswap.json`` as a dict, or ``None``) says normswap wrote
+    the input and every foldable norm already holds its identity parameters (:func:`at_identity`), or, without
+    a manifest, when every norm with parameters does. A request to center (``norm="rmsnorm"``) a model with
+    LayerNorms that was not centered before is not refused.
+
+    Raises:
+        NormswapError: ``"{source}: nothing to fold: already converted by normswap X ..."``.
+    """
+    if norm == "rmsnorm" and any(s.kind == "layernorm" for s in sites):
+        if (manifest or {}).get("norm") != "rmsnorm":
+            return
+    if manifest is not None:
+        if any(s.foldable and not at_identity(model, s) for s in sites):
+            return
+        version = manifest.get("normswap_version") or "an unknown version"
+        raise NormswapError(
+            f"{source}: nothing to fold: already converted by normswap {version} (its normswap.json says so, "
+            "and every foldable norm holds its identity weight); convert the original model instead"
+        )
+    weighted = [s for s in sites if s.weight or s.bias]
+    if weighted and all(at_identity(model, s) for s in weighted):
+        raise NormswapError(
+            f"{source}: nothing to fold: every norm already holds its identity weight (a model converted "
+            "before?); its conversion would be a copy"
+        )
+
+
 def inspect(
     model: nn.Module, input_ids: torch.Tensor | None = None, *, example_inputs=None
 ) -> list[NormSite]:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import click
 
 from normswap.errors import NormswapError
-from normswap.options import device_option
+from normswap.options import OutputPath, device_option, model_name
 
 if TYPE_CHECKING:
     import torch
@@ -248,8 +248,10 @@ def _evaluate(original, converted, windows, accelerator, progress):
 
 
 @click.command("eval")
-@click.option("--model", "model_source", required=True, help="The original MODEL (as for convert).")
-@click.option("--converted", required=True, help="The converted checkpoint directory (or any MODEL).")
+@click.option("--model", "model_source", required=True, callback=model_name,
+              help="The original MODEL (as for convert).")  # fmt: skip
+@click.option("--converted", required=True, callback=model_name,
+              help="The converted checkpoint directory (or any MODEL).")  # fmt: skip
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False), help="UTF-8 text file.")
 @click.option("--dataset", help="A datasets dataset name/path (needs `pip install datasets`).")
 @click.option("--dataset-config", help="Configuration name of --dataset.")
@@ -275,10 +277,11 @@ def _evaluate(original, converted, windows, accelerator, progress):
     "--device-map", help='Passed to from_pretrained, e.g. "auto" for models bigger than one device.'
 )
 @device_option
-@click.option("--report", type=click.Path(dir_okay=False), help="Write the JSON report here (main process).")
+@click.option("--report", type=OutputPath(), help="Write the JSON report here (main process).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the models' own Python code to run.")
 @click.option("--tasks", help="Comma-separated lm-eval tasks (e.g. arc_easy,hellaswag): run them paired "
-              "instead of the perplexity evaluation (needs `pip install 'normswap[eval]'`).")  # fmt: skip
+              "instead of the perplexity evaluation (needs lm-eval: `pip install -e '.[eval]'` in normswap's "
+              "checkout).")  # fmt: skip
 @click.option("--include-path", type=click.Path(file_okay=False), help="Folder of extra lm-eval task YAMLs.")
 @click.option("--limit", type=click.IntRange(min=1), help="At most N documents per task (with --tasks).")
 @click.option("--num-fewshot", type=click.IntRange(min=0), help="Few-shot examples (with --tasks).")

@@ -13,7 +13,7 @@ name, and then only on more than one GPU), so :func:`wrap_model` hands it normsw
 (rank, world size, device), the attributes lm-eval's own accelerate path sets. On a CPU-only machine the
 group is gloo (``normswap.evaluate.make_accelerator``).
 
-lm-eval is optional (``pip install 'normswap[eval]'``); only this module imports it.
+lm-eval is optional (``pip install -e '.[eval]'`` in normswap's checkout); only this module imports it.
 """
 
 from __future__ import annotations
@@ -24,9 +24,13 @@ import logging
 import math
 from pathlib import Path
 
+from normswap import progress
 from normswap.errors import NormswapError
 
-INSTALL_HINT = "--tasks needs lm-evaluation-harness: pip install 'normswap[eval]' (or 'lm-eval>=0.4.9,<0.5')"
+INSTALL_HINT = (
+    "--tasks needs lm-evaluation-harness: pip install -e '.[eval]' in normswap's checkout "
+    "(or pip install 'lm-eval>=0.4.9,<0.5')"
+)
 STANDARD_TASKS = ("arc_easy", "hellaswag", "piqa", "winogrande")
 
 
@@ -42,14 +46,35 @@ def require_lm_eval():
 
 @contextlib.contextmanager
 def quiet_lm_eval():
-    """Within the block, lm-eval logs errors only (it warns about every pre-loaded model it wraps)."""
+    """Within the block, lm-eval logs errors only (it warns about every pre-loaded model it wraps), and its
+    progress bars (and those of datasets and the hub it calls) show only when normswap's progress lines do
+    (``normswap.progress.showing``: the CLI turns them on for a terminal)."""
     logger = logging.getLogger("lm_eval")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        yield
+        with contextlib.nullcontext() if progress.showing() else no_progress_bars():
+            yield
     finally:
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def no_progress_bars():
+    """Within the block, every ``tqdm`` bar is created disabled, whatever its caller passes (lm-eval's bars
+    pass ``disable=`` themselves, so tqdm's own ``TQDM_DISABLE`` does not reach them)."""
+    from unittest import mock
+
+    import tqdm.std
+
+    init = tqdm.std.tqdm.__init__
+
+    def disabled(self, *args, **kwargs):
+        kwargs["disable"] = True
+        init(self, *args, **kwargs)
+
+    with mock.patch.object(tqdm.std.tqdm, "__init__", disabled):
+        yield
 
 
 def load_tasks(names: list[str], include_path: str | None = None):

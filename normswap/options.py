@@ -2,7 +2,54 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import click
+
+from normswap.errors import NormswapError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"2GiB"`` -> 2147483648, ``"1.5GB"`` -> 1500000000, ``"512MiB"``, ``"64KB"``, ``"1000"`` (bytes).
+
+    Units, any case: B, K/KB, M/MB, G/GB, T/TB (powers of 1000, as accelerate's ``max_memory``) and KiB,
+    MiB, GiB, TiB (powers of 1024).
+
+    Raises:
+        ValueError: not such a size, or not positive (the message gives examples).
+    """
+    match = _SIZE.fullmatch(str(text))
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not unit:
+        raise ValueError(f"{text!r} is not a size (examples: 2GiB, 1.5GB, 512MiB)")
+    size = int(float(match.group(1)) * unit)
+    if size <= 0:
+        raise ValueError(f"{text!r} must be positive")
+    return size
+
+
+def _name(param) -> str:
+    return max(param.opts, key=len) if param is not None and param.opts else "value"
+
+
+def size_option(name: str, **kwargs):
+    """A click option whose value is a size string (``parse_size``); a bad one is bad input (one line, exit
+    2) at once, before any heavy import."""
+
+    def check(ctx, param, value):
+        if value is not None:
+            try:
+                parse_size(value)
+            except ValueError as error:
+                raise NormswapError(f"{_name(param)} {error}") from None
+        return value
+
+    return click.option(name, callback=check, metavar="SIZE", **kwargs)
 
 
 def device_option(f):
@@ -14,3 +61,46 @@ def device_option(f):
         help="Where the model runs: auto (the first CUDA GPU if any, else the CPU), cpu, cuda or cuda:N. "
         "Ignored with --device-map.",
     )(f)
+
+
+# Names that say "a file" to a user: an output directory named so would surprise (-o model.safetensors)
+_FILE_SUFFIXES = tuple(".safetensors .bin .pt .pth .ckpt .gguf .json .onnx .h5 .msgpack".split())
+
+
+class OutputPath(click.Path):
+    """A path a command writes to: ``--output`` (a directory, ``directory=True``) or a report file.
+
+    Refused at once, as bad input (one line, exit 2): an empty value (``-o ''`` would be the current
+    directory), and for a directory a name with a model file's suffix (``-o model.safetensors``: the
+    checkpoint is a folder of files, so that would create a folder named like a file).
+    """
+
+    def __init__(self, *, directory: bool = False) -> None:
+        super().__init__(path_type=Path)  # what may exist there is checked by normswap.io, in one line
+        self.directory = directory
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str):
+            if not value.strip():
+                what = "directory" if self.directory else "file"
+                raise NormswapError(f"{_name(param)} is empty; name a {what}")
+            if self.directory and value.lower().rstrip("/").endswith(_FILE_SUFFIXES):
+                name = value.rstrip("/")
+                stem = name.rsplit(".", 1)[0] or "converted"
+                raise NormswapError(
+                    f"{_name(param)} {name!r} names a file, but the converted checkpoint is a directory "
+                    f"(config.json, model.safetensors, normswap.json, ...); name a directory, e.g. "
+                    f"{stem + '-normswap'!r}"
+                )
+        return super().convert(value, param, ctx)
+
+
+def model_name(ctx, param, value):
+    """click callback of a MODEL argument or option: a mistyped short name (``SmolLM2-135M``) is answered at
+    once, before the heavy imports and without asking the hub (``normswap.catalog.misspelled``)."""
+    from normswap.catalog import misspelled
+
+    problem = misspelled(value) if isinstance(value, str) else None
+    if problem:
+        raise NormswapError(problem)
+    return value

@@ -157,8 +157,10 @@ def test_output_that_cannot_be_created_fails_before_loading(tiny_gguf, monkeypat
 
 
 def test_unwritable_report_fails_before_any_work(tiny_gguf, tmp_path):
-    result = run("convert", tiny_gguf, "--output", tmp_path / "out", "--report", tmp_path / "no" / "r.json")
-    assert_bad_input(result, "does not exist")
+    """A missing folder is created (as for --output); one that cannot be is refused before any work."""
+    (tmp_path / "file").write_text("x")
+    result = run("convert", tiny_gguf, "--output", tmp_path / "out", "--report", tmp_path / "file" / "r.json")
+    assert_bad_input(result, "is not a directory")
     assert not (tmp_path / "out").exists()
 
 

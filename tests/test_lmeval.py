@@ -148,7 +148,7 @@ def test_tasks_refusals(pair, tmp_path, monkeypatch):
                      "would overwrite or write into")  # fmt: skip
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if lm-eval were not installed
     line = assert_bad_input(_eval("--model", orig, "--converted", conv, "--tasks", "normswap_mc"))
-    assert "pip install 'normswap[eval]'" in line
+    assert "pip install -e '.[eval]'" in line  # the install command of eval --help and the README
 
 
 # ---------------------------------------------------------------- lm-eval runs

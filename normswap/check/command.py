@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from normswap.errors import NormswapError
-from normswap.options import device_option
+from normswap.options import OutputPath, device_option, model_name
 
 
 def _manifest_sites(path) -> list:
@@ -21,8 +21,8 @@ def _manifest_sites(path) -> list:
 
 
 @click.command("check")
-@click.argument("original")
-@click.argument("converted")
+@click.argument("original", callback=model_name)
+@click.argument("converted", callback=model_name)
 @click.option(
     "--tokens",
     type=click.IntRange(min=2),
@@ -44,7 +44,7 @@ def _manifest_sites(path) -> list:
 )
 @click.option("--device-map", help='Passed to from_pretrained, e.g. "auto".')
 @device_option
-@click.option("--report", type=click.Path(dir_okay=False), help="Write the CheckResult as JSON here.")
+@click.option("--report", type=OutputPath(), help="Write the CheckResult as JSON here.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the models' own Python code to run.")
 def check_command(
     original,
@@ -77,13 +77,21 @@ def check_command(
     )
     from normswap.evaluate import load_for_eval, read_text
     from normswap.io import check_output_file, load, quiet_loading, resolve, write_json
+    from normswap.progress import Stages
 
     quiet_loading()
     if report:
         check_output_file(report, [original, converted])
     resolve(original)  # bad paths fail here, before the (slow) load of the other model
     converted_config = load.load_config(resolve(converted), trust_remote_code=trust_remote_code)
+    if greedy and load.auto_class_name(converted_config) == "AutoModel":
+        raise NormswapError(
+            f"--greedy compares generated tokens, and {converted} is an encoder without an LM head "
+            "(nothing to generate); compare its outputs without --greedy"
+        )
     kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, device=device)
+    stages = Stages()
+    stages.start("load", f"{original} ({dtype})")
     model, tokenizer = load_for_eval(original, **kw)
     signal = signal_check_inputs(original, model, tokens)  # a speech or vision model: a random input
     if signal is not None and (text_file is not None or greedy):
@@ -111,14 +119,18 @@ def check_command(
     names = {name for name, _ in model.named_modules()}
     if sites and not all(site.name in names for site in sites):
         raise NormswapError(f"{converted}: its norm sites are not modules of {original} (different models?)")
+    stages.start("reference", f"running {original} on {count} tokens")
     reference = reference_outputs(model, input_ids, sites=sites, greedy_tokens=greedy)
     del model  # lean: one model in memory at a time
+    stages.start("load", f"{converted} ({dtype})")
     other, _ = load_for_eval(converted, tokenizer=False, **kw)
+    stages.start("check", f"running {converted} and comparing")
     try:
         tolerance = None if max_abs is None else {"max_abs": max_abs}
         result = compare(reference, other, tolerance=tolerance, sites=sites)
     except (ValueError, KeyError, AttributeError) as error:  # a model of another architecture
         raise NormswapError(f"{converted}: {error}") from error
+    stages.stop()
     if report:
         write_json(report, result.to_dict())
     click.echo(result.summary())

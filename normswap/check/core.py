@@ -231,6 +231,25 @@ def _refuse_nonfinite(outputs: torch.Tensor, input_ids: torch.Tensor, kind: str,
     )
 
 
+def _refuse_overflow(model, input_ids: torch.Tensor, outputs: torch.Tensor, kind: str, dtype: str) -> None:
+    """Raise when the original's half-precision ``outputs`` are not finite while its float32 run (the same
+    weights upcast, :func:`upcast`) is: the model is fine, ``dtype``'s range is not (float16 ends at 65504;
+    Gemma's activations pass it). Returns when the float32 run is not finite either (the model is broken)."""
+    with upcast(model):
+        _, up = _forward(model, input_ids)
+    if not bool(torch.isfinite(up).all()):
+        return
+    bad = ~torch.isfinite(outputs)
+    batch, pos = divmod(int(bad.any(-1).nonzero().flatten()[0]), input_ids.shape[1])
+    instead = "bfloat16 (float32's range at half the memory) or float32" if dtype == "float16" else "float32"
+    raise NormswapError(
+        f"the original model's {kind} in {dtype} are not finite ({int(bad.sum())} NaN or infinite values, "
+        f"first at batch {batch} position {pos}) while in float32 they are: the model overflows {dtype}'s "
+        f"range (largest value {torch.finfo(getattr(torch, dtype)).max:g}), it is not broken; use --dtype "
+        f"{instead}"
+    )
+
+
 def _keep(outputs: torch.Tensor, targets: torch.Tensor, kind: str, max_bytes: int):
     if kind == "logits" and outputs.numel() * outputs.element_size() > max_bytes:
         return None, summarize_logits(outputs, targets)
@@ -289,7 +308,9 @@ def reference_outputs(
     Raises:
         ValueError: if ``input_ids`` is not a 2-D integer tensor with at least 2 positions.
         NormswapError: the original's outputs hold a NaN or inf (a broken input model: no conversion of
-            it can be checked); the line names the count and the first position.
+            it can be checked; or, in half precision with finite float32 outputs, a model that overflows the
+            dtype's range: the line then names the dtype to use instead); the line names the count and the
+            first position.
     """
     if _is_ids(input_ids):
         if input_ids.ndim != 2 or input_ids.is_floating_point() or input_ids.shape[1] < 2:
@@ -300,6 +321,8 @@ def reference_outputs(
     probes = plan_probes(model, sites) if sites else []
     with Capture(model, probes, input_ids, records and records()) as cap:
         kind, outputs = _forward(model, input_ids)
+    if dtype in HALF and not bool(torch.isfinite(outputs).all()):
+        _refuse_overflow(model, input_ids, outputs, kind, dtype)
     _refuse_nonfinite(outputs, input_ids, kind, "")
     ref = Reference(input_ids, kind, dtype, *_keep(outputs, targets, kind, max_logits_bytes))
     ref.probes, ref.captures, ref.sites = probes, cap.records, list(sites or [])

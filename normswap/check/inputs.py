@@ -146,6 +146,37 @@ def signal_check_inputs(source, model, tokens: int | None):
     return signal, entry
 
 
+# Perplexity above which the check text cannot be text the model reads: a trained LM measures 10-100 on text
+# of its own tokenizer (on the default check text, SmolLM2-135M 17.5 and Gemma-3-270M 21.5); SmolLM2-135M on
+# the same text through all-MiniLM-L6-v2's tokenizer measured 8.3e3, a random-weight model is near its
+# vocabulary size.
+IMPLAUSIBLE_PPL = 1000.0
+
+
+def implausible_text(ppl_original: float | None, tokenizer: str | None) -> str | None:
+    """A note when the original model's perplexity on the check text is above ``IMPLAUSIBLE_PPL`` (or NaN):
+    the ids the tokenizer made mean little to the model. ``None`` otherwise.
+
+    Args:
+        ppl_original: the check's ``ppl_original``.
+        tokenizer: the ``--tokenizer`` the text went through, or ``None`` for the model's own.
+    """
+    import math
+
+    if ppl_original is None or not (ppl_original > IMPLAUSIBLE_PPL or math.isnan(ppl_original)):
+        return None
+    cause = (
+        f"--tokenizer {tokenizer} is not its tokenizer: pass the model's own"
+        if tokenizer
+        else "its tokenizer files may belong to another model (--tokenizer gives the right one), or its "
+        "weights are random"
+    )
+    return (
+        f"the original model's perplexity on the check text is {ppl_original:.3g}, far above a trained "
+        f"model's on text of its own tokenizer (10-100): the text's ids mean little to it; {cause}"
+    )
+
+
 def text_ids(tokenizer, text: str, tokens: int, *, source, what: str):
     """The first ``tokens`` ids of ``text`` as a ``(1, tokens)`` long tensor.
 

@@ -72,7 +72,8 @@ def write_error(where: str | os.PathLike, error: BaseException) -> NormswapError
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temporary file beside it, then ``os.replace``).
+    """Write ``data`` to ``path`` atomically (temporary file beside it, then ``os.replace``), creating its
+    missing folders.
 
     The file gets the permissions a plain ``open`` gives (the umask applies). Returns the path.
 
@@ -82,6 +83,7 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "xb") as out:
             out.write(data)
             out.flush()

@@ -30,6 +30,7 @@ from unittest import mock
 
 import torch
 
+from normswap.catalog import misspelled
 from normswap.errors import NormswapError
 from normswap.io import shortnames
 
@@ -117,7 +118,8 @@ def resolve(source: str | Path, *, download: bool = True) -> Resolved:
 
     Raises:
         NormswapError: a missing path, a file that is not ``.gguf``, a directory without ``config.json``,
-            a name without ``/`` close to a short name (``difflib`` ratio >= 0.7: "did you mean ...?"),
+            a name without ``/`` close to a short name in any case (``normswap.catalog.misspelled``:
+            ``SmolLM2-135M`` -> "did you mean 'smollm2-135m'?"),
             or a string that is neither a path, a short name nor a hub id.
     """
     source = str(source)
@@ -144,12 +146,9 @@ def resolve(source: str | Path, *, download: bool = True) -> Resolved:
         return Resolved(source, "dir", str(local), short_name=source)
     if _looks_like_path(source):
         raise NormswapError(f"{source}: no such file or directory")
-    close = difflib.get_close_matches(source, list(shortnames.SHORT_MODELS), n=1, cutoff=0.7)
-    if close and "/" not in source:  # a mistyped short name: answer now, not after the hub's retries
-        raise NormswapError(
-            f"{source}: not a local path or short name; did you mean {close[0]!r}? "
-            "(a hub id has the form OWNER/NAME)"
-        )
+    mistyped = misspelled(source)
+    if mistyped:  # a mistyped short name: answer now, not after the hub's retries
+        raise NormswapError(mistyped)
     if _HUB_ID.fullmatch(source):
         return Resolved(source, "hub", source)
     raise NormswapError(
@@ -507,7 +506,7 @@ def load_model(
         device: ``"cpu"`` (default), ``"auto"`` (the first CUDA GPU if any), ``"cuda"``, ``"cuda:N"`` or a
             ``torch.device`` (``normswap.device.resolve_device``); the weights load straight onto it.
         device_map: passed to ``from_pretrained`` instead of ``device`` (``"auto"``: accelerate spreads the
-            layers over the GPUs; see README for the memory each mode needs).
+            layers over the GPUs; docs/GPU.md gives the memory each mode needs).
 
     Returns:
         ``LoadedModel(model, tokenizer, info)``.

