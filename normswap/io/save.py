@@ -362,6 +362,7 @@ def load_pretrained(
     *,
     dtype: str | torch.dtype | None = None,
     trust_remote_code: bool = False,
+    trainable_norm_weights: bool = False,
     **kwargs,
 ) -> torch.nn.Module:
     """Load a checkpoint written by ``normswap convert`` with its fused norm modules in place.
@@ -369,12 +370,15 @@ def load_pretrained(
     The weights load with plain transformers (the Auto class of ``normswap.io.load.auto_class_name``:
     the model's own head); then every site the manifest marks ``swapped`` is rebuilt with
     ``NormSite.from_dict`` and ``normswap.swap.swap_norms`` installs the fused modules under the same
-    module names.
+    module names. A folded RMSNorm whose checkpoint weight is the identity holds no weight (its scale is
+    in the layers that read it; ``normswap.kernels.modules``): it is not among ``model.parameters()``.
 
     Args:
         path: the checkpoint directory.
         dtype: dtype to load in (default: the dtype the checkpoint was saved in).
         trust_remote_code: allow transformers to run Python code shipped with the model.
+        trainable_norm_weights: give every folded RMSNorm its identity weight as a trainable Parameter,
+            as plain transformers loads it (one more multiply per norm call), to fine-tune norm weights.
         **kwargs: passed on to ``from_pretrained``.
 
     Returns:
@@ -399,5 +403,5 @@ def load_pretrained(
         kwargs.setdefault("dtype", "auto")
     model = load_weights(auto, resolved, config=config, trust_remote_code=trust_remote_code, **kwargs)
     sites = [NormSite.from_dict(site) for site in manifest.get("sites", []) if site.get("swapped")]
-    swap_norms(model, sites)
+    swap_norms(model, sites, identity_weights=not trainable_norm_weights)
     return model.eval()
