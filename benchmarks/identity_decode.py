@@ -1,4 +1,4 @@
-"""Per-call cost of a folded norm at decode sizes: this tree's modules against another revision's, side by side.
+"""Per-call cost of a folded norm at decode sizes: this tree's modules and another revision's, side by side.
 
 A folded RMSNorm holds the identity weight (1, or 0 with Gemma's offset 1). Before issue 21 the module decided
 "the weight is the identity" per call from a cache keyed on the weight's version counter (stale after a fused
@@ -108,8 +108,9 @@ def run(rev: str, rounds: int, dtypes=("bfloat16", "float32")) -> list[dict]:
                             times[name].append((time.perf_counter() - t0) / CALLS)
             med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
             for name, (_, ref) in cands.items():
-                rows.append(dict(shape=f"{n}x{d}", dtype=dname, name=name, us=med[name],
-                                 ratio=med[name] / med[ref] if ref else 1.0, diff=diffs.get(name)))  # fmt: skip
+                ratio = med[name] / med[ref] if ref else 1.0
+                rows.append(dict(shape=f"{n}x{d}", dtype=dname, name=name, us=med[name], ratio=ratio,
+                                 diff=diffs.get(name)))  # fmt: skip
     return rows
 
 

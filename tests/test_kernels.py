@@ -702,8 +702,10 @@ def _identity_for(module: nn.Module) -> FusedRMSNorm:
     gemma = type(module).__name__.startswith("Gemma")
     eps = module.eps if gemma else module.variance_epsilon
     w = module.weight
-    site = NormSite("norm", "rmsnorm", 1.0 if gemma else 0.0, eps, "weight", None, tuple(w.shape),
-                    "fp32" if gemma else "llama", str(w.dtype).removeprefix("torch."), folded=True)  # fmt: skip
+    order, dtype = "fp32" if gemma else "llama", str(w.dtype).removeprefix("torch.")
+    site = NormSite(
+        "norm", "rmsnorm", float(gemma), eps, "weight", None, tuple(w.shape), order, dtype, folded=True
+    )
     fused = fused_module(site, module)
     assert fused.identity_weight and not list(fused.parameters())
     return fused
@@ -735,10 +737,10 @@ def test_identity_weight_is_dropped_exactly(monkeypatch, model_type, dtype):
 
 def test_weights_are_used_whatever_the_editing_route(monkeypatch):
     """A module with a weight multiplies by it on every call, whatever changed it: ``.data`` edits (no
-    version bump), an in-place edit under no_grad, a new tensor, ``load_state_dict``, ``vector_to_parameters``,
-    a fused AdamW step (no version bump either) -- each output equals LlamaRMSNorm holding the same values.
-    A folded (identity) module given a state dict whose weight is not the identity, or assigned a weight, has
-    one from then on."""
+    version bump), an in-place edit under no_grad, a new tensor, ``load_state_dict``,
+    ``vector_to_parameters``, a fused AdamW step (no version bump either) -- each output equals LlamaRMSNorm
+    holding the same values. A folded (identity) module given a state dict whose weight is not the identity,
+    or assigned a weight, has one from then on."""
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
