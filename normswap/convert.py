@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
-from normswap.fold import fold_site, plan, untie_checked
+from normswap.fold import fold_site, plan, scale_and_shift, untie_checked
 from normswap.sites import NormSite
 from normswap.swap import swap_norms
 from normswap.walk import ExampleInputs, Walk, walk
@@ -173,8 +173,10 @@ def convert(
                      folding.untie_bytes)  # fmt: skip
         report.untied = untie_checked(model, folding, inputs).names
         report.untie_bytes = folding.untie_bytes
+        # every scale is read before any norm is reset: norms sharing one Parameter fold with its value
+        scales = {s.name: scale_and_shift(s, model.get_submodule(s.name)) for s in folding.sites}
         for site in folding.sites:
-            fold_site(model, site)
+            fold_site(model, site, scales[site.name])
         report.norms_folded = len(folding.sites)
     else:
         for site in result.sites:

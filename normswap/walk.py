@@ -116,6 +116,7 @@ class SourceCall:
     module: str
     input_shape: tuple[int, ...]
     uses: list[Use] = field(default_factory=list)
+    input_dtype: torch.dtype | None = None  # the probe measures eps and cast order in it
     extra: str | None = None  # the other inputs of a call that was not a one-input call, described
 
 
@@ -243,7 +244,7 @@ class _Tracer(TorchFunctionMode):
         if index is None:
             index = len(self.calls)
             self.call_of[id(module)] = index
-            self.calls.append(SourceCall(self.names[id(module)], tuple(x.shape)))
+            self.calls.append(SourceCall(self.names[id(module)], tuple(x.shape), input_dtype=x.dtype))
             self.module_of_call.append(module)
         extra = _other_inputs(args, kwargs, x)
         if extra is not None:  # a gated norm, a norm given its residual: not a one-input map
@@ -713,7 +714,7 @@ def _sites(tracer: _Tracer, failures: dict[str, str]) -> list[NormSite]:
     found: list[tuple[SourceCall, NormSite, nn.Module]] = []
     for call, module in zip(tracer.calls, tracer.module_of_call, strict=True):
         try:
-            site = probe_module(module, call.input_shape, call.module)
+            site = probe_module(module, call.input_shape, call.module, call.input_dtype)
         except ProbeError as error:
             if call.module not in failures:
                 log.warning("%s: probing failed (%s); not treated as a norm", call.module, error)

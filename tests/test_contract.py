@@ -76,3 +76,129 @@ def test_c35_training_after_load_pretrained(tmp_path, tiny_model, input_ids, opt
     with torch.no_grad():
         for other in (fresh, plain):
             assert (other(input_ids=input_ids).logits - trained).abs().max().item() <= 1e-6
+
+
+# -- C33: torch's nn.RMSNorm(eps=None) in half precision ----------------------------------------------------
+
+
+class _TorchNormLM(torch.nn.Module):
+    """Pre-norm blocks with ``nn.RMSNorm(64)`` (eps=None: the op's compute type's machine epsilon), a final
+    parameter-free ``nn.RMSNorm``, embeddings of std 0.05 (mean square 2.5e-3: bfloat16's eps 7.8e-3 would
+    dominate it, float32's 1.2e-7 does not)."""
+
+    def __init__(self, vocab=128, d=64, layers=2, seed=0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.norms = torch.nn.ModuleList(torch.nn.RMSNorm(d) for _ in range(layers))
+        self.ups = torch.nn.ModuleList(torch.nn.Linear(d, 2 * d) for _ in range(layers))
+        self.downs = torch.nn.ModuleList(torch.nn.Linear(2 * d, d) for _ in range(layers))
+        self.final = torch.nn.RMSNorm(d, elementwise_affine=False)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        with torch.no_grad():
+            self.embed.weight.normal_(0, 0.05, generator=gen)
+            for norm in self.norms:
+                norm.weight.copy_(1 + torch.rand(d, generator=gen) - 0.5)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        for norm, up, down in zip(self.norms, self.ups, self.downs, strict=True):
+            h = h + down(torch.nn.functional.gelu(up(norm(h))))
+        return self.head(self.final(h))
+
+
+@pytest.mark.parametrize("case", ["A-float32", "B-bfloat16", "C-cast-after", "D-float32-norm-weights"])
+def test_c33_torch_rmsnorm_eps_none_in_its_compute_dtype(input_ids, case):
+    """The probe measures eps as the module runs (input dtype, parameter dtypes): float32's 1.19e-7 also
+    for bfloat16 inputs (the case measured bfloat16's 7.8e-3 and 0.50 off); each converted model passes the
+    check against its original at its precision."""
+    original = _TorchNormLM()
+    if case == "B-bfloat16":
+        original = original.bfloat16()
+    elif case == "D-float32-norm-weights":
+        original = original.bfloat16()
+        for norm in original.norms:
+            norm.float()
+    converted = copy.deepcopy(original)
+    report = normswap.convert(converted, input_ids=input_ids)
+    f32 = torch.finfo(torch.float32).eps
+    assert {s.eps for s in report.sites} == {f32}, [(s.name, s.eps) for s in report.sites]
+    assert report.norms_folded == 2 and report.norms_swapped == 3
+    if case == "C-cast-after":
+        original, converted = original.bfloat16(), converted.bfloat16()
+    result = normswap.check(original, converted, input_ids)
+    assert result.passed, result.summary()
+    if case == "A-float32":
+        assert result.max_abs_logit_diff <= TOL
+
+
+# -- C34: two norm modules holding one Parameter ------------------------------------------------------------
+
+
+class _SharedNormLM(torch.nn.Module):
+    """Pre-norm blocks in which ``pattern`` shares something: ``"tied-norms"`` (the norms of blocks 0 and 1
+    hold one weight Parameter), ``"tied-with-unfoldable"`` (the same, and block 1's norm output also feeds a
+    product, so that norm cannot fold), ``"weight-read-elsewhere"`` (block 0's norm weight also scales block
+    1's MLP output), ``"norm-twice"`` (one norm module called by both blocks), ``"two-heads"`` (the final norm
+    feeds two heads), ``"shared-mlp"`` (one MLP used by both blocks), ``"looped"`` (one block run twice)."""
+
+    def __init__(self, pattern, vocab=128, d=64, seed=0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.pattern = pattern
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.norms = torch.nn.ModuleList(torch.nn.RMSNorm(d, eps=1e-6) for _ in range(2))
+        self.ups = torch.nn.ModuleList(torch.nn.Linear(d, 2 * d) for _ in range(2))
+        self.downs = torch.nn.ModuleList(torch.nn.Linear(2 * d, d) for _ in range(2))
+        self.final = torch.nn.RMSNorm(d, eps=1e-6)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head2 = torch.nn.Linear(d, vocab, bias=False)
+        with torch.no_grad():
+            for norm in (*self.norms, self.final):
+                norm.weight.copy_(1 + torch.rand(d, generator=gen) - 0.5)
+        if pattern in ("tied-norms", "tied-with-unfoldable"):
+            self.norms[1].weight = self.norms[0].weight
+
+    def block(self, i, h):
+        j = {"norm-twice": 0, "shared-mlp": 0, "looped": 0}.get(self.pattern, i)
+        norm = self.norms[0 if self.pattern in ("norm-twice", "looped") else i]
+        x = norm(h)
+        if self.pattern == "tied-with-unfoldable" and i == 1:
+            x = x * x.sigmoid()  # not a linear use: this norm cannot fold
+        y = self.downs[j](torch.nn.functional.gelu(self.ups[j](x)))
+        if self.pattern == "weight-read-elsewhere" and i == 1:
+            y = y * self.norms[0].weight  # the Parameter is read outside its norm too
+        return h + y
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        for i in range(2):
+            h = self.block(i, h)
+        out = self.final(h)
+        logits = self.head(out)
+        return logits + self.head2(out) if self.pattern == "two-heads" else logits
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["tied-norms", "tied-with-unfoldable", "weight-read-elsewhere", "norm-twice", "two-heads", "shared-mlp",
+     "looped"],  # fmt: skip
+)
+def test_c34_norms_sharing_a_parameter(input_ids, pattern):
+    """Within 1e-5 of the original, or the fold refused with the holders named (the case: both tied norms
+    folded, the second folding the identity the first left: 0.30 off)."""
+    original = _SharedNormLM(pattern)
+    converted = copy.deepcopy(original)
+    report = normswap.convert(converted, input_ids=input_ids)
+    with torch.no_grad():
+        diff = (converted(input_ids) - original(input_ids)).abs().max().item()
+    assert diff <= TOL, f"{pattern}: {diff:.3g}"
+    sites = {s.name: s for s in report.sites}
+    if pattern == "tied-norms":  # both holders fold, once: each consumer took the original weight
+        assert sites["norms.0"].folded and sites["norms.1"].folded
+    if pattern == "tied-with-unfoldable":
+        assert not sites["norms.0"].folded and "norms.1" in sites["norms.0"].reason
+    if pattern == "weight-read-elsewhere":
+        assert not sites["norms.0"].folded and "the model's forward" in sites["norms.0"].reason
+    if pattern in ("norm-twice", "two-heads", "shared-mlp", "looped"):
+        assert report.norms_folded >= 1
