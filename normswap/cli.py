@@ -22,7 +22,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 # Python arguments named in the library's errors -> the options that set them here
-_API_TO_CLI = {"overwrite=True": "--overwrite", "trust_remote_code=True": "--trust-remote-code"}
+_API_TO_CLI = {
+    "overwrite=True": "--overwrite",
+    "trust_remote_code=True": "--trust-remote-code",
+    "keep_hidden_states=True": "--keep-hidden-states",
+    "norm='rmsnorm'": "--norm rmsnorm",
+}
 
 
 def _cli_wording(message: str) -> str:
@@ -305,11 +310,15 @@ def _check_ids(model: str, config, tokenizer, tokens: int | None):
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path), help="Write the site list as JSON here."
 )
-def inspect(model, dtype, trust_remote_code, device, device_map, json_path):
-    """List every norm of MODEL: kind, convention, eps, cast order, consumers, foldable or why not."""
+@click.option("--no-untie", is_flag=True, help="As convert --no-untie: the verdicts without untying lm_head.")
+@click.option("--keep-hidden-states", is_flag=True, help="As convert --keep-hidden-states.")
+def inspect(model, dtype, trust_remote_code, device, device_map, json_path, no_untie, keep_hidden_states):
+    """List every norm of MODEL: kind, convention, eps, cast order, consumers, foldable or why not.
+
+    The verdicts are convert's (with --norm keep and the same options): the same walk and fold plan.
+    """
     from normswap import io
-    from normswap.convert import no_norms_message
-    from normswap.walk import walk
+    from normswap.convert import no_norms_message, survey
 
     _quiet_transformers()
     if json_path is not None:
@@ -317,7 +326,7 @@ def inspect(model, dtype, trust_remote_code, device, device_map, json_path):
     loaded = io.load_model(
         model, dtype=dtype, trust_remote_code=trust_remote_code, device=device, device_map=device_map
     )
-    traced = walk(loaded.model)
+    traced = survey(loaded.model, untie=not no_untie, keep_hidden_states=keep_hidden_states)
     sites = traced.sites
     for name, error in traced.probe_failures.items():
         click.echo(f"normswap: warning: {name}: probing failed ({error}); not listed as a norm", err=True)

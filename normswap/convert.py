@@ -16,6 +16,10 @@ from normswap.swap import swap_norms
 from normswap.walk import ExampleInputs, Walk, walk
 
 NORM_CHOICES = ("keep", "rmsnorm")
+KEEP_VS_CENTER = (
+    "norm='rmsnorm' centers the residual stream, which moves every hidden state by its mean: it cannot keep "
+    "the hidden states (keep_hidden_states=True)"
+)
 log = logging.getLogger("normswap")
 
 
@@ -32,6 +36,7 @@ class ConvertReport:
         untie_bytes: extra bytes those copies cost.
         untouched: 2-D+ parameters no op used in the trace (listed for the user to judge).
         check: the check result (``CheckResult.to_dict()``) when the caller ran one.
+        keep_hidden_states: whether the conversion kept every hidden state (``convert``'s option).
     """
 
     model: str
@@ -44,6 +49,7 @@ class ConvertReport:
     untie_bytes: int = 0
     untouched: list[str] = field(default_factory=list)
     check: dict[str, Any] | None = None
+    keep_hidden_states: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +62,7 @@ class ConvertReport:
             "untie_bytes": self.untie_bytes,
             "untouched": list(self.untouched),
             "sites": [s.to_dict() for s in self.sites],
+            "keep_hidden_states": self.keep_hidden_states,
             "check": self.check,
         }
 
@@ -90,9 +97,18 @@ def no_norms_message(result: Walk) -> str:
 
 
 def inspect(
-    model: nn.Module, input_ids: torch.Tensor | None = None, *, example_inputs=None
+    model: nn.Module,
+    input_ids: torch.Tensor | None = None,
+    *,
+    example_inputs=None,
+    untie: bool = True,
+    keep_hidden_states: bool = False,
 ) -> list[NormSite]:
     """List the norms of ``model`` with their semantics, consumers and foldability; changes nothing.
+
+    Each site's ``foldable`` and ``reason`` are the verdict ``convert`` reaches with the same options: the
+    walk, then the same fold plan (shared parameters, the fold's range in the weights' dtype, untying
+    ``lm_head`` and its proof, undone afterwards). See ``survey``.
 
     Args:
         model: any ``nn.Module``: a Hugging Face model, or one whose forward takes other inputs (give
@@ -103,6 +119,7 @@ def inspect(
             ``(args_tuple, kwargs_dict)``; also a tuple of positional args, a dict of keyword args, a single
             tensor (one positional arg) or ``normswap.walk.ExampleInputs``. Called as
             ``model(*args, **kwargs)``, exactly as given.
+        untie, keep_hidden_states: as in ``convert``.
 
     Returns:
         One ``NormSite`` per norm module, in execution order.
@@ -110,7 +127,30 @@ def inspect(
     Raises:
         ValueError: both ``input_ids`` and ``example_inputs`` given.
     """
-    return walk(model, trace_inputs(input_ids, example_inputs)).sites
+    inputs = trace_inputs(input_ids, example_inputs)
+    return survey(model, inputs, untie=untie, keep_hidden_states=keep_hidden_states).sites
+
+
+@torch.inference_mode(False)
+def survey(model: nn.Module, inputs=None, *, untie: bool = True, keep_hidden_states: bool = False) -> Walk:
+    """The walk of ``model`` with the verdict ``convert`` would reach on each site, without converting.
+
+    ``walk`` finds the norms and what reads them; ``fold.plan`` then blocks the sites convert blocks
+    (a Parameter shared with another holder, a fold beyond the weights' dtype range, a tied consumer with
+    untying disabled), and the untie proof runs as in ``convert`` (two short forwards where the model may
+    read ``tie_word_embeddings``), after which the untied copies are dropped again: the model ends exactly
+    as it was. Centering (``norm="rmsnorm"``) is not planned here: the verdicts are those of ``"keep"``.
+
+    Args:
+        model: the model (unchanged on return).
+        inputs: the trace's inputs (``input_ids``, ``ExampleInputs`` or None; see ``walk``).
+        untie, keep_hidden_states: as in ``convert``.
+    """
+    result = walk(model, inputs, keep_hidden_states=keep_hidden_states)
+    if result.sites:
+        folding = plan(model, result, untie=untie)
+        untie_checked(model, folding, inputs).restore()
+    return result
 
 
 @torch.inference_mode(False)  # tensors made here become parameters: never inference tensors (C24)
@@ -124,6 +164,7 @@ def convert(
     input_ids: torch.Tensor | None = None,
     example_inputs=None,
     traced: Walk | None = None,
+    keep_hidden_states: bool = False,
 ) -> ConvertReport:
     """Fold every foldable norm into its consumers and swap every norm for a fused module, in place.
 
@@ -140,21 +181,28 @@ def convert(
             also used for the untie proof and the centering record.
         traced: a ``normswap.walk.walk(model, inputs)`` of this model taken just before (so a caller that
             needed the sites first, e.g. to record a reference, does not trace twice); walked here if None.
+            With ``keep_hidden_states`` it must have been walked with ``keep_hidden_states=True`` too.
+        keep_hidden_states: keep every hidden state the model returns (``output_hidden_states``, the base
+            model's ``last_hidden_state``) the original's: a norm whose output is returned (the final norm) is
+            not folded into the head, and centering, which moves every hidden state, is refused.
 
     Returns:
         A ``ConvertReport``. Every parameter it creates is an ordinary tensor, also when called inside
         ``torch.inference_mode()``: the converted model can be trained.
 
     Raises:
-        ValueError: unknown ``norm``, or both ``input_ids`` and ``example_inputs``.
+        ValueError: unknown ``norm``, both ``input_ids`` and ``example_inputs``, or ``norm="rmsnorm"`` with
+            ``keep_hidden_states``.
         NormswapError: the model has no norm.
         normswap.center.CenteringError: ``norm="rmsnorm"`` on a model that cannot be converted exactly (the
             model is left unchanged).
     """
     if norm not in NORM_CHOICES:
         raise ValueError(f"norm must be one of {NORM_CHOICES}, got {norm!r}")
+    if norm == "rmsnorm" and keep_hidden_states:
+        raise ValueError(KEEP_VS_CENTER)
     inputs = trace_inputs(input_ids, example_inputs)
-    result = traced if traced is not None else walk(model, inputs)
+    result = traced if traced is not None else walk(model, inputs, keep_hidden_states=keep_hidden_states)
     if not result.sites:
         raise NormswapError(f"{_model_name(model)}: {no_norms_message(result)}")
     centering = None
@@ -164,7 +212,7 @@ def convert(
         centering = center(model, result, inputs, untie=untie, add_biases=fold)
     report = ConvertReport(
         model=_model_name(model), norm=norm, norms_found=len(result.sites), norms_folded=0, norms_swapped=0,
-        sites=result.sites, untouched=result.untouched,
+        sites=result.sites, untouched=result.untouched, keep_hidden_states=keep_hidden_states,
     )  # fmt: skip
     if fold:
         folding = plan(model, result, untie=untie)

@@ -584,9 +584,11 @@ def run_example(model: nn.Module, inputs: Inputs = None):
             m.training = mode
 
 
-def trace_example(model: nn.Module, inputs: Inputs = None) -> ExampleInputs:
+def trace_example(model: nn.Module, inputs: Inputs = None, hidden_states: bool = False) -> ExampleInputs:
     """The traced forward's inputs: ``example_inputs``, plus ``logits_to_keep=1`` where the forward names
-    that argument (not for explicit ``ExampleInputs``, which are used exactly as given).
+    that argument (not for explicit ``ExampleInputs``, which are used exactly as given), plus
+    ``output_hidden_states=True`` where the forward takes it when ``hidden_states`` is set (then every norm
+    whose output the model returns as a hidden state is seen as returned, and is not folded).
 
     The head then maps one position, not all: the trace follows the same ops (the final norm's output is
     sliced along the positions, ``__getitem__``, then read by the head's linear map), and the head's
@@ -594,15 +596,17 @@ def trace_example(model: nn.Module, inputs: Inputs = None) -> ExampleInputs:
     262144 entries), are not computed. Only the trace does this; ``run_example`` keeps every position.
     """
     example = example_inputs(model, inputs)
+    if hidden_states and _accepts(model, "output_hidden_states"):
+        example = ExampleInputs(example.args, {**example.kwargs, "output_hidden_states": True})
     if isinstance(inputs, ExampleInputs) or "logits_to_keep" not in _named_arguments(model):
         return example
     return ExampleInputs(example.args, {**example.kwargs, "logits_to_keep": 1})
 
 
-def trace(model: nn.Module, inputs: Inputs = None) -> tuple[_Tracer, object]:
+def trace(model: nn.Module, inputs: Inputs = None, hidden_states: bool = False) -> tuple[_Tracer, object]:
     """Run one forward of ``model`` under the tracer (on ``trace_example``) and return it with the model's
     output."""
-    example = trace_example(model, inputs)
+    example = trace_example(model, inputs, hidden_states)
     tracer = _Tracer(model)
     modes = {m: m.training for m in model.modules()}
     for m in modes:
@@ -636,13 +640,16 @@ def _accepts(model: nn.Module, keyword: str) -> bool:
 
 
 @exact_float32()
-def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
+def walk(model: nn.Module, inputs: Inputs = None, keep_hidden_states: bool = False) -> Walk:
     """Find the norms of ``model`` and what consumes each one's output.
 
     Args:
         model: any ``nn.Module``; left exactly as it was (parameters, modes, hooks).
         inputs: the trace's inputs: ``(batch, seq)`` int64 ``input_ids`` (a tensor), ``ExampleInputs`` for
             a forward that takes other arguments, or None for 2 x 16 random ids (fixed seed).
+        keep_hidden_states: trace with ``output_hidden_states=True`` (where the forward takes it): a norm
+            whose output is returned as a hidden state (the final norm) is then not foldable ("output is
+            returned as a model output"), so the converted model's hidden states stay the original's.
 
     Returns:
         A ``Walk`` with one ``NormSite`` per norm module, in the order the forward first called them.
@@ -652,7 +659,7 @@ def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
         NormswapError: parameters offloaded by accelerate (``normswap.device.refuse_offloaded``).
     """
     refuse_offloaded(model)
-    tracer, output = trace(model, inputs)
+    tracer, output = trace(model, inputs, keep_hidden_states)
     flat, _ = tree_flatten(output if not hasattr(output, "to_tuple") else output.to_tuple())
     for t in flat:
         if isinstance(t, torch.Tensor) and id(t) in tracer.tags:

@@ -202,3 +202,64 @@ def test_c34_norms_sharing_a_parameter(input_ids, pattern):
         assert not sites["norms.0"].folded and "the model's forward" in sites["norms.0"].reason
     if pattern in ("norm-twice", "two-heads", "shared-mlp", "looped"):
         assert report.norms_folded >= 1
+
+
+# -- C36: inspect says what convert will do -----------------------------------------------------------------
+
+
+def _run_cli(*args):
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def _overflow_llama(path):
+    """A tiny float16 Llama whose final norm has weight 200 on channel 5 and whose lm_head reads that channel
+    with weight 400 in one row: the fold needs 8e4 > 65504. The stream's channel 5 is zero, so the original's
+    logits stay finite."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from normswap.zoo import BASE_CONFIG
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**BASE_CONFIG, tie_word_embeddings=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + torch.rand(p.shape) - 0.5)
+        model.model.norm.weight[5] = 200.0
+        model.lm_head.weight[3, 5] = 400.0
+        model.model.embed_tokens.weight[:, 5] = 0.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[5] = 0.0
+            layer.mlp.down_proj.weight[5] = 0.0
+    model.half().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model", ["overflow", "llama", "gpt2"])
+def test_c36_inspect_gives_convert_s_verdict(tmp_path, model):
+    """``inspect --json`` names, per norm, the verdict ``convert --report`` reaches (the case: inspect said
+    foldable where convert refused "fold overflows float16")."""
+    import json
+
+    if model == "overflow":
+        src, dtype = _overflow_llama(tmp_path / "src"), "float16"
+    else:
+        from normswap.zoo import tiny_model
+
+        src, dtype = tmp_path / "src", "float32"
+        tiny_model(model, tie_word_embeddings=True).save_pretrained(src)
+    listed = _run_cli("inspect", src, "--dtype", dtype, "--json", tmp_path / "sites.json")
+    assert listed.exit_code == 0, listed.output
+    done = _run_cli("convert", src, "--output", tmp_path / "out", "--dtype", dtype, "--tokens", 16,
+                    "--report", tmp_path / "r.json")  # fmt: skip
+    assert done.exit_code in (0, 1), done.output
+    said = {s["name"]: (s["foldable"], s["reason"]) for s in json.loads((tmp_path / "sites.json").read_text())}
+    report = json.loads((tmp_path / "r.json").read_text())
+    did = {s["name"]: (s["folded"], s["reason"]) for s in report["sites"]}
+    assert said == did
+    if model == "overflow":
+        assert "fold overflows float16" in said["model.norm"][1]
