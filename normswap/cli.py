@@ -157,21 +157,29 @@ def main() -> None:
     help="Hold at most about SIZE of weights (2GiB, 500MB, ...): a larger safetensors model directory is "
     "streamed shard by shard (docs/STREAMING.md).",
 )
+@click.option(
+    "--keep-hidden-states",
+    is_flag=True,
+    help="Keep every hidden state (output_hidden_states, the base model's last_hidden_state) the "
+    "original's: the final norm is not folded into lm_head, and the check requires each to match.",
+)
 def convert(model, output, report, norm, dtype, trust_remote_code, device, device_map, tokens, force,
-            overwrite, no_untie, tokenizer_name, max_memory):  # fmt: skip
+            overwrite, no_untie, tokenizer_name, max_memory, keep_hidden_states):  # fmt: skip
     """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
     from normswap import io
     from normswap.check import compare, reference_outputs
+    from normswap.convert import KEEP_VS_CENTER, no_norms_message, stream_transform
     from normswap.convert import convert as convert_model
-    from normswap.convert import no_norms_message
     from normswap.walk import short_inputs, walk
 
     _quiet_transformers()
+    if keep_hidden_states and norm == "rmsnorm":
+        raise NormswapError(_cli_wording(KEEP_VS_CENTER))
     io.check_output_dir(output, model, overwrite=overwrite)
     if report is not None:
         io.check_output_file(report, [model], output)
     options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
-                   overwrite=overwrite, no_untie=no_untie)  # fmt: skip
+                   overwrite=overwrite, no_untie=no_untie, keep_hidden_states=keep_hidden_states)  # fmt: skip
     if max_memory is not None and _convert_streamed(
         model, output, report, max_memory, device=device, device_map=device_map, tokenizer=tokenizer_name,
         **options,
@@ -190,15 +198,20 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     _step(f"loaded {loaded.info.architecture} from {loaded.info.path} in {time.perf_counter() - t0:.1f} s")
     input_ids, check_input = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens)
     _step("finding the norms and their consumers ...")
-    traced = walk(loaded.model, short_inputs(input_ids))  # the dataflow does not depend on the length
+    # the dataflow does not depend on the length
+    traced = walk(loaded.model, short_inputs(input_ids), keep_hidden_states=keep_hidden_states)
     if not traced.sites:
         raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
     _step(f"running the original on {input_ids.shape[-1]} tokens ...")
     reference = reference_outputs(loaded.model, input_ids, sites=traced.sites)
+    embeds = _input_embeds(loaded.model, input_ids) if norm == "rmsnorm" else None
     _step("converting ...")
-    result = convert_model(loaded.model, norm=norm, untie=not no_untie, input_ids=input_ids, traced=traced)
+    result = convert_model(loaded.model, norm=norm, untie=not no_untie, input_ids=input_ids, traced=traced,
+                           keep_hidden_states=keep_hidden_states)  # fmt: skip
     _step("checking the converted logits ...")
-    checked = compare(reference, loaded.model, input_ids)
+    checked = compare(reference, loaded.model, input_ids, transform=stream_transform(result),
+                      keep_hidden_states=keep_hidden_states)  # fmt: skip
+    extra_files = _inputs_transform(result, reference, loaded.model, embeds, checked)
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)
     report_dict["check_input"] = check_input
@@ -209,8 +222,9 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
             _step(f"saving to {output} ...")
             expected = io.record_expected(loaded.model, input_ids)
             io.save_converted(
-                loaded.model, loaded.tokenizer, report_dict, output, overwrite=overwrite, input_path=model
-            )
+                loaded.model, loaded.tokenizer, report_dict, output, overwrite=overwrite, input_path=model,
+                extra_files=extra_files,
+            )  # fmt: skip
     except NormswapError:
         if report is not None:  # the report still tells what was converted, where it can be written
             report_dict["saved"] = False
@@ -241,8 +255,41 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         raise SystemExit(1)
 
 
+def _input_embeds(model, input_ids):
+    """The original model's input embeddings of ``input_ids`` (to prove the ``inputs_embeds`` transform of a
+    centered model), or None when it has no input embedding module."""
+    import torch
+
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is None:
+        return None
+    with torch.no_grad():
+        return embedding(input_ids.to(next(embedding.parameters()).device)).cpu()
+
+
+def _inputs_transform(result, reference, model, embeds, checked) -> dict[str, str]:
+    """After centering: the ``inputs_embeds`` transform (``normswap.center.inputs``), proved on the check's
+    ids (the converted model given the transformed original embeddings reproduces the original's logits;
+    a failure fails the check), as the file to save beside the checkpoint; {} otherwise."""
+    from normswap.center import inputs
+    from normswap.check.core import compare_inputs_embeds
+    from normswap.io.files import to_json
+
+    transform = (result.centering or {}).get("inputs")
+    if not transform or embeds is None or transform.get("kind") == "unknown":
+        return {}
+    proof = compare_inputs_embeds(reference, model, inputs.apply(transform, embeds))
+    transform["verified"] = proof
+    if not proof["passed"]:
+        checked.passed = False
+        checked.failures.append(f"the inputs_embeds transform of {inputs.FILE} does not hold: "
+                                + "; ".join(proof["failures"]))  # fmt: skip
+    return {inputs.FILE: to_json(transform)}
+
+
 def _convert_streamed(model, output, report, max_memory, *, device, device_map, tokenizer, norm, dtype,
-                      trust_remote_code, tokens, force, overwrite, no_untie) -> bool:  # fmt: skip
+                      trust_remote_code, tokens, force, overwrite, no_untie,
+                      keep_hidden_states) -> bool:  # fmt: skip
     """``convert --max-memory``: False when the model fits in the budget (the in-memory path then runs),
     else the streamed conversion (``normswap.stream``, on the CPU), with the same outputs, messages and exit
     codes; options it cannot honour (``--norm rmsnorm``, ``--device-map``, a ``--device`` other than the
@@ -266,8 +313,9 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
     _step(f"{model}: {source.nbytes / 2**30:.2f} GiB of weights > --max-memory {max_memory}: streaming (CPU)")
     input_ids, check_input = _check_ids(model, source.config, source.tokenizer, tokens)
     report_dict, passed = stream.convert_streamed(
-        source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, step=_step
-    )
+        source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, step=_step,
+        keep_hidden_states=keep_hidden_states,
+    )  # fmt: skip
     report_dict["check_input"] = check_input
     from normswap.stream import dist
 
@@ -379,6 +427,19 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def _contract_lines(contract: list[dict], report: dict) -> list[str]:
+    """``contract:`` lines: per returned output (runs grouped), same or changed by design and why."""
+    from normswap.check.contract import BY_DESIGN, lines
+
+    if not contract:
+        return []
+    out = [("contract: " if i == 0 else " " * 10) + line for i, line in enumerate(lines(contract))]
+    folded = any(e["status"] == BY_DESIGN and not e.get("relation") for e in contract)
+    if folded and not report.get("keep_hidden_states"):
+        out.append(" " * 10 + "(--keep-hidden-states keeps every hidden state the original's)")
+    return out
+
+
 def _summary(report: dict, output: Path | None, report_path: Path | None) -> str:
     """The short human summary printed after ``convert``: norms, untying, check numbers, where things went."""
     lines = [
@@ -413,6 +474,7 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
             lines.append(f"          - {failure}")
         if check.get("divergence"):
             lines.append(f"          first divergence: {check['divergence'].get('description')}")
+        lines += _contract_lines(check.get("contract") or [], report)
     if output is not None:
         lines.append(f"saved:    {output}")
     verify = report.get("verify")

@@ -37,6 +37,8 @@ class ConvertReport:
         untouched: 2-D+ parameters no op used in the trace (listed for the user to judge).
         check: the check result (``CheckResult.to_dict()``) when the caller ran one.
         keep_hidden_states: whether the conversion kept every hidden state (``convert``'s option).
+        centering: what centering did (``norm="rmsnorm"``: ``CenterResult.to_dict()``, with ``inputs``, the
+            ``inputs_embeds`` transform), or None.
     """
 
     model: str
@@ -50,6 +52,7 @@ class ConvertReport:
     untouched: list[str] = field(default_factory=list)
     check: dict[str, Any] | None = None
     keep_hidden_states: bool = False
+    centering: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,8 +66,24 @@ class ConvertReport:
             "untouched": list(self.untouched),
             "sites": [s.to_dict() for s in self.sites],
             "keep_hidden_states": self.keep_hidden_states,
+            "centering": self.centering,
             "check": self.check,
         }
+
+
+def stream_transform(report: ConvertReport | dict):
+    """The change ``report``'s conversion made to the residual stream by design, for ``check.compare``
+    (``normswap.check.contract.StreamTransform``), or None: centered after ``norm="rmsnorm"`` (a rewritten
+    embedding table's norm input excepted)."""
+    from normswap.center.inputs import FILE
+    from normswap.check.contract import centered
+
+    data = report.to_dict() if hasattr(report, "to_dict") else report
+    centering = data.get("centering")
+    if not centering:
+        return None
+    rewritten = [t.split(" -> ", 1)[1].split(" ", 1)[0] for t in centering.get("tables", [])]
+    return centered(FILE, rewritten)
 
 
 def _model_name(model: nn.Module) -> str:
@@ -188,7 +207,8 @@ def convert(
 
     Returns:
         A ``ConvertReport``. Every parameter it creates is an ordinary tensor, also when called inside
-        ``torch.inference_mode()``: the converted model can be trained.
+        ``torch.inference_mode()``: the converted model can be trained. After centering, give
+        ``normswap.check.compare`` the stream transform ``stream_transform(report)``.
 
     Raises:
         ValueError: unknown ``norm``, both ``input_ids`` and ``example_inputs``, or ``norm="rmsnorm"`` with
@@ -233,6 +253,8 @@ def convert(
     if centering is not None:  # centering may untie an embedding written into the residual stream
         report.untied = centering.untied + report.untied
         report.untie_bytes += centering.untie_bytes
+        if centering.note is None:
+            report.centering = centering.to_dict()
     if swap:
         report.norms_swapped = swap_norms(model, result.sites)
     return report

@@ -639,6 +639,9 @@ def _accepts(model: nn.Module, keyword: str) -> bool:
     return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+accepts = _accepts  # public name for the check, which passes output_hidden_states where a forward takes it
+
+
 @exact_float32()
 def walk(model: nn.Module, inputs: Inputs = None, keep_hidden_states: bool = False) -> Walk:
     """Find the norms of ``model`` and what consumes each one's output.

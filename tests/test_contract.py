@@ -181,8 +181,15 @@ class _SharedNormLM(torch.nn.Module):
 
 @pytest.mark.parametrize(
     "pattern",
-    ["tied-norms", "tied-with-unfoldable", "weight-read-elsewhere", "norm-twice", "two-heads", "shared-mlp",
-     "looped"],  # fmt: skip
+    [
+        "tied-norms",
+        "tied-with-unfoldable",
+        "weight-read-elsewhere",
+        "norm-twice",
+        "two-heads",
+        "shared-mlp",
+        "looped",
+    ],  # fmt: skip
 )
 def test_c34_norms_sharing_a_parameter(input_ids, pattern):
     """Within 1e-5 of the original, or the fold refused with the holders named (the case: both tied norms
@@ -257,9 +264,155 @@ def test_c36_inspect_gives_convert_s_verdict(tmp_path, model):
     done = _run_cli("convert", src, "--output", tmp_path / "out", "--dtype", dtype, "--tokens", 16,
                     "--report", tmp_path / "r.json")  # fmt: skip
     assert done.exit_code in (0, 1), done.output
-    said = {s["name"]: (s["foldable"], s["reason"]) for s in json.loads((tmp_path / "sites.json").read_text())}
+    said = {
+        s["name"]: (s["foldable"], s["reason"]) for s in json.loads((tmp_path / "sites.json").read_text())
+    }
     report = json.loads((tmp_path / "r.json").read_text())
     did = {s["name"]: (s["folded"], s["reason"]) for s in report["sites"]}
     assert said == did
     if model == "overflow":
         assert "fold overflows float16" in said["model.norm"][1]
+
+
+# -- C31 / C32: hidden states, stated and checked -----------------------------------------------------------
+
+
+def _outputs(model, ids, **kw):
+    """Logits, every hidden state and the base model's last hidden state, float64."""
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True, **kw)
+        base = model.base_model(input_ids=ids).last_hidden_state
+    return out.logits.double(), [h.double() for h in out.hidden_states], base.double()
+
+
+def _contract(report):
+    return {e["output"]: e for e in report["check"]["contract"]}
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["default", "keep-hidden-states"])
+def test_c31_hidden_states_after_folding_the_final_norm(tmp_path, tiny_model, input_ids, keep):
+    """The default convert says, per output, what holds: every hidden state the same but the final norm's
+    output (hidden_states[-1], model.last_hidden_state: its weight is in lm_head now), as an independent
+    reload measures (the case: 1.57 off, a value head 0.45, nothing said). ``--keep-hidden-states`` keeps
+    them all, a value head on hidden_states[-1] included, and the check requires it."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("llama", tie_word_embeddings=False)
+    model.save_pretrained(tmp_path / "src")
+    flags = ["--keep-hidden-states"] if keep else []
+    done = _run_cli("convert", tmp_path / "src", "--output", tmp_path / "out", "--tokens", 32,
+                    "--report", tmp_path / "r.json", *flags)  # fmt: skip
+    assert done.exit_code == 0, done.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    contract = _contract(report)
+    assert list(contract) == ["logits", *(f"hidden_states[{i}]" for i in range(3)), "model.last_hidden_state"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    head = torch.nn.Linear(64, 1).double()  # a value head on the last hidden state (trl, reward models)
+    logits, hidden, base = _outputs(model, input_ids)
+    logits2, hidden2, base2 = _outputs(reloaded, input_ids)
+    assert (logits2 - logits).abs().max().item() <= TOL
+    changed = {"hidden_states[2]", "model.last_hidden_state"} if not keep else set()
+    measured = {f"hidden_states[{i}]": (hidden2[i] - hidden[i]).abs().max().item() for i in range(3)}
+    measured["model.last_hidden_state"] = (base2 - base).abs().max().item()
+    for name, diff in measured.items():
+        entry = contract[name]
+        if name in changed:
+            assert entry["status"] == "changed by design" and "model.norm" in entry["reason"], entry
+            assert diff > 1e-2, (name, diff)
+        else:
+            assert entry["status"] == "same" and diff <= TOL, (name, entry, diff)
+    value_diff = (head(hidden2[-1]) - head(hidden[-1])).abs().max().item()
+    assert (value_diff <= TOL) == keep
+    sites = {s["name"]: s for s in report["sites"]}
+    assert sites["model.norm"]["folded"] != keep
+    assert ("contract:" in done.stdout) and (("changed by design" in done.stdout) != keep)
+    if keep:
+        assert "returned as a model output" in sites["model.norm"]["reason"]
+
+
+def _centered(t: torch.Tensor) -> torch.Tensor:
+    return t - t.mean(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "opt"])
+def test_c32_hidden_states_after_centering(tmp_path, tiny_model, input_ids, model_type):
+    """After ``--norm rmsnorm`` the report states the centered residual stream (and centering.json the
+    inputs_embeds transform, proved on the check's ids); independently, every hidden state of the reload --
+    plain transformers and ``load_pretrained`` -- is the original's centered (the case: moved by 0.025-0.05,
+    nothing said), and the saved transform maps the original's inputs_embeds onto the converted model's."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from normswap.center import inputs
+
+    model = tiny_model(model_type)
+    model.save_pretrained(tmp_path / "src")
+    done = _run_cli("convert", tmp_path / "src", "--output", tmp_path / "out", "--tokens", 32, "--norm",
+                    "rmsnorm", "--report", tmp_path / "r.json")  # fmt: skip
+    assert done.exit_code == 0, done.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    contract = _contract(report)
+    transform = inputs.load(tmp_path / "out")
+    assert transform["verified"]["passed"]
+    logits, hidden, base = _outputs(model, input_ids)
+    for reloaded in (
+        AutoModelForCausalLM.from_pretrained(tmp_path / "out"),
+        normswap.load_pretrained(tmp_path / "out"),
+    ):
+        logits2, hidden2, base2 = _outputs(reloaded, input_ids)
+        assert (logits2 - logits).abs().max().item() <= TOL
+        for i in range(len(hidden)):
+            entry = contract[f"hidden_states[{i}]"]
+            same = (hidden2[i] - hidden[i]).abs().max().item()
+            centered = (hidden2[i] - _centered(hidden[i])).abs().max().item()
+            if entry["status"] == "same":
+                assert same <= TOL
+            else:
+                assert entry["relation"] == "centered" and entry["file"] == "centering.json", entry
+                assert centered <= TOL < same, (i, centered, same)
+        assert any(e["relation"] == "centered" for e in contract.values())
+        embeds = model.get_input_embeddings()(input_ids)
+        with torch.no_grad():
+            out = reloaded(inputs_embeds=inputs.apply(transform, embeds)).logits.double()
+        assert (out - logits).abs().max().item() <= TOL
+
+
+# -- C37: localization after centering ----------------------------------------------------------------------
+
+
+def test_c37_localization_compares_like_with_like_after_centering(tmp_path, tiny_model, tiny_gguf):
+    """``normswap check SRC OUT`` on a correct centered conversion passes with no divergence; with one
+    consumer weight of layer 1 scaled by 1.05 it fails and names layer 1 (the case: both blamed layer 0,
+    where the stream is centered by design)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from normswap.io import load_model
+
+    tokenizer = load_model(tiny_gguf).tokenizer
+    tiny_model("gpt2").save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    done = _run_cli("convert", tmp_path / "src", "--output", tmp_path / "out", "--tokens", 32, "--norm",
+                    "rmsnorm")  # fmt: skip
+    assert done.exit_code == 0, done.output
+    import shutil
+
+    shutil.copytree(tmp_path / "out", tmp_path / "bad")
+    tensors = load_file(tmp_path / "bad" / "model.safetensors")
+    tensors["transformer.h.1.mlp.c_fc.weight"] *= 1.05
+    save_file(tensors, tmp_path / "bad" / "model.safetensors", metadata={"format": "pt"})
+    good = _run_cli(
+        "check", tmp_path / "src", tmp_path / "out", "--tokens", 32, "--report", tmp_path / "g.json"
+    )
+    assert good.exit_code == 0, good.output
+    assert json.loads((tmp_path / "g.json").read_text())["divergence"] is None
+    bad = _run_cli(
+        "check", tmp_path / "src", tmp_path / "bad", "--tokens", 32, "--report", tmp_path / "b.json"
+    )
+    assert bad.exit_code == 1, bad.output
+    divergence = json.loads((tmp_path / "b.json").read_text())["divergence"]
+    assert divergence["layer"] == 1, divergence

@@ -277,6 +277,7 @@ def save_converted(
     overwrite: bool = False,
     *,
     input_path: str | os.PathLike | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write ``model`` (converted in place), its tokenizer and the report to ``out_dir``, atomically.
 
@@ -300,6 +301,7 @@ def save_converted(
         out_dir: the output directory; its parent is created if needed.
         overwrite: replace an existing ``out_dir``.
         input_path: the MODEL argument the model came from, to refuse an ``out_dir`` inside it.
+        extra_files: more files to write beside the checkpoint, name -> text (``centering.json``).
 
     Returns:
         the absolute output directory.
@@ -330,6 +332,8 @@ def save_converted(
             if tokenizer is not None:
                 tokenizer.save_pretrained(built)
             (built / MANIFEST).write_text(files.to_json(manifest))
+            for name, text in (extra_files or {}).items():
+                (built / name).write_text(text)
             files.apply_umask(built)
             _replace_dir(built, out, overwrite)
         except NormswapError:

@@ -253,6 +253,7 @@ def convert_streamed(
     force: bool = False,
     overwrite: bool = False,
     step=lambda message: None,
+    keep_hidden_states: bool = False,
 ) -> tuple[dict[str, Any], bool]:
     """Convert ``source`` into ``output`` with bounded memory (see the module docstring).
 
@@ -264,6 +265,8 @@ def convert_streamed(
         force: move the output into place even when the check fails.
         overwrite: replace an existing output directory.
         step: called with a progress message before each stage.
+        keep_hidden_states: as ``normswap.convert``'s: the final norm is not folded, and the check requires
+            every returned hidden state to match.
 
     Returns:
         ``(report dict as normswap.json holds it, whether the check passed)``. When the output was moved
@@ -293,7 +296,7 @@ def convert_streamed(
     streamed = build(source.config, source.reader, source.dtype)
     step("finding the norms and their consumers (streamed) ...")
     walk_ids = short_inputs(input_ids)
-    traced = _guarded(lambda: walk(streamed.model, walk_ids), source)
+    traced = _guarded(lambda: walk(streamed.model, walk_ids, keep_hidden_states=keep_hidden_states), source)
     if not traced.sites:
         raise NormswapError(f"{source.info.source}: no normalization modules found; nothing to convert")
     release_memory()
@@ -329,6 +332,7 @@ def convert_streamed(
             model=source.info.source, norm="keep", norms_found=len(traced.sites),
             norms_folded=len(folding.sites), norms_swapped=0, sites=traced.sites, untied=untied,
             untie_bytes=folding.untie_bytes, untouched=traced.untouched,
+            keep_hidden_states=keep_hidden_states,
         )  # fmt: skip
         for site in traced.sites:
             if site.foldable and not site.folded:
@@ -341,7 +345,14 @@ def convert_streamed(
             converted = build(config, CheckpointReader(built), source.dtype)
             report.norms_swapped = swap_norms(converted.model, traced.sites)
             checked = _guarded(
-                lambda: compare(reference, converted.model, input_ids, records=records), source
+                lambda: compare(
+                    reference,
+                    converted.model,
+                    input_ids,
+                    records=records,
+                    keep_hidden_states=keep_hidden_states,
+                ),
+                source,
             )
             reference = None
             passed = bool(checked.passed)
