@@ -52,9 +52,37 @@ def test_zoo_covers_the_required_architectures():
     assert len({e.model_type for e in ZOO}) >= 30
 
 
+# outputs a user reads besides the logits (the contract's), compared over every position
+_HIDDEN = ("hidden_states", "encoder_hidden_states", "decoder_hidden_states", "encoder_last_hidden_state")
+
+
+def _independent_contract(original, converted, ids) -> dict[str, tuple[float, float]]:
+    """``output_hidden_states`` of both models on ``ids``, compared here without normswap.check: output name
+    -> (relative error, relative error against the original centered over its last axis)."""
+    kwargs = {"input_ids": ids, "output_hidden_states": True}
+    if getattr(original.config, "is_encoder_decoder", False):
+        kwargs["decoder_input_ids"] = ids
+    with torch.no_grad():
+        a, b = original(**kwargs, use_cache=False), converted(**kwargs, use_cache=False)
+    measured = {}
+    for key in _HIDDEN:
+        x, y = getattr(a, key, None), getattr(b, key, None)
+        pairs = [(key, x, y)] if isinstance(x, torch.Tensor) else [
+            (f"{key}[{i}]", u, v) for i, (u, v) in enumerate(zip(x or (), y or (), strict=True))
+        ]  # fmt: skip
+        for name, u, v in pairs:
+            u, v = u.double(), v.double()
+            centered = u - u.mean(-1, keepdim=True)
+            measured[name] = (
+                ((v - u).norm() / u.norm()).item(),
+                ((v - centered).norm() / centered.norm()).item(),
+            )
+    return measured
+
+
 @pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
 def test_zoo_row(entry):
-    result = run_entry(entry)
+    result = run_entry(entry, keep=True)
     assert result.error is None, result.error
     assert result.found > 0
     assert result.max_abs_diff <= TOLERANCE, f"{entry.name}: max abs diff {result.max_abs_diff:.3g}"
@@ -69,6 +97,22 @@ def test_zoo_row(entry):
             assert _concrete(site.reason, result.module_names), f"{site.name}: vague reason {site.reason!r}"
     assert result.folded == sum(s.folded for s in result.sites)
     assert result.passed
+    # the contract the report states matches an independent comparison of output_hidden_states
+    original, converted = result.models
+    if not hasattr(original, "config") or original.config.model_type == "custom":
+        return
+    stated = {e["output"]: e for e in result.contract}
+    for name, (rel, rel_centered) in _independent_contract(original, converted, example_ids()).items():
+        entry_ = stated.get(name)
+        if entry_ is None:  # the main output (an encoder's last hidden state): judged by the logits metrics
+            assert name == "last_hidden_state" or result.contract[0]["output"] == name, name
+            continue
+        if entry_["status"] == "same":
+            assert rel <= 1e-4, (name, rel)
+        elif entry_.get("relation") == "centered":
+            assert rel_centered <= 1e-4 < rel, (name, rel, rel_centered)
+        else:
+            assert entry_["status"] == "changed by design" and rel > 1e-4, (name, entry_, rel)
 
 
 def test_coverage_table_lists_every_zoo_row():

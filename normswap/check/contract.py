@@ -10,7 +10,8 @@ model, and states for each floating tensor returned (``returned_outputs``) one o
   is returned had its weight folded into the layers that read it (the final norm into ``lm_head``); or the
   residual stream was transformed (``StreamTransform``: centered by ``--norm rmsnorm``), and the converted
   value equals the transformed original within the threshold;
-* ``changed``: no step explains it; the check fails.
+* ``changed``: no step explains it; the check fails when it knows what the conversion did (``NormSite``
+  records: ``convert``'s own check, ``normswap check`` with a manifest), and otherwise reports it.
 
 Each output is compared at the check's sampled token positions (``localize.sample_positions``: at most 32,
 first and last included), in float64: the reference keeps ``O(outputs x positions x width)`` (35 MB for a
@@ -217,7 +218,8 @@ def judge(
             ``own`` is the original's own relative error in half precision).
         transform: the stream transform the conversion made by design, or None.
         producers: output name -> the norm site (in the converted model) whose output it is.
-        sites: the ``NormSite`` records after conversion (``folded``, consumers).
+        sites: the ``NormSite`` records after conversion (``folded``, consumers). Without them nothing is
+            known of the conversion: an unexplained change is reported (``changed``) but fails nothing.
         keep_hidden_states: every output must be ``same``; anything else fails.
 
     Returns:
@@ -253,6 +255,9 @@ def judge(
             entry.reason = f"the weight{offset} of norm {site.name} is folded into {consumers}"
         if entry.status == SAME:
             entry.status = CHANGED
+            if not by_name and not keep_hidden_states:
+                entry.reason = "no record of the conversion (no normswap.json) to tell whether by design"
+                continue
             failures.append(
                 f"{name} differs from the original's (relative error {rel:.3g} > {threshold:.3g}) and no "
                 "conversion step explains it"
@@ -283,7 +288,9 @@ def lines(contract: list[dict]) -> list[str]:
             if entry.get("file"):
                 verdict += f" ({entry['file']})"
         else:
-            verdict = f"CHANGED (max diff {entry['max_abs_diff']:.2g}), not explained"
+            verdict = (
+                f"CHANGED (max diff {entry['max_abs_diff']:.2g}): {entry.get('reason') or 'not explained'}"
+            )
         out.append(f"{label}  {verdict}")
     width = max((len(line.split("  ", 1)[0]) for line in out), default=0)
     return [f"{a.ljust(width)}  {b}" for a, b in (line.split("  ", 1) for line in out)]
