@@ -416,3 +416,30 @@ def test_c37_localization_compares_like_with_like_after_centering(tmp_path, tiny
     assert bad.exit_code == 1, bad.output
     divergence = json.loads((tmp_path / "b.json").read_text())["divergence"]
     assert divergence["layer"] == 1, divergence
+
+
+@pytest.mark.parametrize(("model_type", "overrides", "kind"), [
+    ("bloom", {}, "rewrite"), ("opt", {"word_embed_proj_dim": 32}, "none"), ("gpt_neox", {}, "center"),
+])  # fmt: skip
+def test_inputs_embeds_transform_per_architecture(tiny_model, input_ids, model_type, overrides, kind):
+    """What a centered model expects as ``inputs_embeds`` is read from the centering plan: BLOOM's table
+    feeds its embedding norm (rewritten), OPT's ``project_in`` is centered in its place (unchanged), GPT-NeoX
+    writes the table into the stream (centered). Each maps the original's embeddings onto logits within
+    1e-5, and the check passes with no divergence."""
+    from normswap.center import inputs
+    from normswap.check import compare, reference_outputs
+    from normswap.convert import stream_transform
+
+    model = tiny_model(model_type, **overrides)
+    original = copy.deepcopy(model)
+    reference = reference_outputs(model, input_ids, sites=normswap.inspect(model))
+    report = normswap.convert(model, norm="rmsnorm", input_ids=input_ids)
+    transform = report.centering["inputs"]
+    assert transform["kind"] == kind
+    embeds = original.get_input_embeddings()(input_ids)
+    with torch.no_grad():
+        got = model(inputs_embeds=inputs.apply(transform, embeds)).logits
+        want = original(input_ids=input_ids).logits
+    assert (got - want).abs().max().item() <= TOL
+    result = compare(reference, model, input_ids, sites=report.sites, transform=stream_transform(report))
+    assert result.passed and result.divergence is None, result.summary()
