@@ -219,9 +219,9 @@ def _run_dtype_eps(probe: nn.Module, module: nn.Module, site: NormSite, n: torch
     if run_dtype is None or run_dtype == torch.float64 or not run_dtype.is_floating_point:
         return eps64
     low = _in_dtypes(probe, module)
-    one = torch.ones((), dtype=torch.float64)
+    one = torch.ones((), dtype=torch.float64, device="cpu")
     w = getattr(low, site.weight).double() + site.offset if site.weight else one
-    b = getattr(low, site.bias).double() if site.bias else torch.zeros((), dtype=torch.float64)
+    b = getattr(low, site.bias).double() if site.bias else torch.zeros((), dtype=torch.float64, device="cpu")
     estimate = _measure_eps(low, n, w.double(), b, site.kind, run_dtype)
     if estimate <= 0.0 or 0.5 * eps64 <= estimate <= 2.0 * eps64:
         return eps64

@@ -218,14 +218,16 @@ def judge(
             ``own`` is the original's own relative error in half precision).
         transform: the stream transform the conversion made by design, or None.
         producers: output name -> the norm site (in the converted model) whose output it is.
-        sites: the ``NormSite`` records after conversion (``folded``, consumers). Without them nothing is
-            known of the conversion: an unexplained change is reported (``changed``) but fails nothing.
+        sites: the ``NormSite`` records after conversion (``folded``, consumers). Without records of a
+            conversion (none given, or none folded or swapped: ``inspect``'s, taken before) nothing is known
+            of it: an unexplained change is reported (``changed``) but fails nothing.
         keep_hidden_states: every output must be ``same``; anything else fails.
 
     Returns:
         ``(entries, failures)``: one ``OutputContract`` per reference output, in order; failure lines.
     """
     by_name = {s.name: s for s in sites or ()}
+    known = any(s.folded or s.swapped for s in by_name.values())
     entries, failures = [], []
     for name, ref in reference.items():
         conv = converted.get(name)
@@ -255,8 +257,8 @@ def judge(
             entry.reason = f"the weight{offset} of norm {site.name} is folded into {consumers}"
         if entry.status == SAME:
             entry.status = CHANGED
-            if not by_name and not keep_hidden_states:
-                entry.reason = "no record of the conversion (no normswap.json) to tell whether by design"
+            if not known and not keep_hidden_states:
+                entry.reason = "no record of what the conversion did (its sites, normswap.json) to tell why"
                 continue
             failures.append(
                 f"{name} differs from the original's (relative error {rel:.3g} > {threshold:.3g}) and no "

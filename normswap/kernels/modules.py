@@ -68,7 +68,7 @@ class _FusedNorm(nn.Module):
         # The dtype and device the identity weight would have (its state-dict entry, llama order's output
         # dtype); kept in step with .to()/.half()/.cuda() by _apply.
         self._identity_dtype = dtype if dtype is not None else torch.get_default_dtype()
-        self._identity_device = torch.device(device) if device is not None else torch.device("cpu")
+        self._identity_device = torch.device(device) if device is not None else torch.get_default_device()
         self.identity_weight = bool(identity_weight)
         factory = {"device": device, "dtype": dtype}
         if weight_name is not None and not identity_weight:
