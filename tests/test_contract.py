@@ -443,3 +443,23 @@ def test_inputs_embeds_transform_per_architecture(tiny_model, input_ids, model_t
     assert (got - want).abs().max().item() <= TOL
     result = compare(reference, model, input_ids, sites=report.sites, transform=stream_transform(report))
     assert result.passed and result.divergence is None, result.summary()
+
+
+def test_contract_lines_group_runs_of_outputs():
+    """The CLI's contract lines: the main output alone, then runs of one verdict on one line, each run's
+    largest differences."""
+    from normswap.check.contract import lines
+
+    def entry(output, status="same", diff=1e-7, rel=1e-8, reason=None):
+        return {"output": output, "status": status, "max_abs_diff": diff, "rel_error": rel, "reason": reason}
+
+    why = "the weight of norm model.norm is folded into lm_head"
+    text = lines([entry("logits", rel=None), entry("hidden_states[0]", diff=2e-7), entry("hidden_states[1]", rel=3e-8),
+                  entry("hidden_states[2]", "changed by design", reason=why),
+                  entry("model.last_hidden_state", "changed by design", reason=why)])  # fmt: skip
+    assert [t.split("  ")[0] for t in text] == [
+        "logits",
+        "hidden_states[0..1]",
+        "hidden_states[2], model.last_hidden_state",
+    ]
+    assert text[1].endswith("same (max diff 2e-07, relative 3e-08)") and text[2].endswith(why)

@@ -271,20 +271,23 @@ def judge(
 
 def lines(contract: list[dict]) -> list[str]:
     """The contract for a reader: runs of consecutive outputs with the same verdict share one line
-    (``hidden_states[0..29]  same (max diff 3.1e-05)``)."""
+    (``hidden_states[0..29]  same (max diff 0.0039, relative 1.9e-06)``: the largest of each)."""
     groups: list[tuple[list[str], dict]] = []
     for i, entry in enumerate(contract):
         key = (entry["status"], entry.get("reason"))
         if i > 1 and (groups[-1][1]["status"], groups[-1][1].get("reason")) == key:  # the main one alone
+            group = groups[-1][1]
             groups[-1][0].append(entry["output"])
-            groups[-1][1]["max_abs_diff"] = max(groups[-1][1]["max_abs_diff"], entry["max_abs_diff"])
+            group["max_abs_diff"] = max(group["max_abs_diff"], entry["max_abs_diff"])
+            group["rel_error"] = max(group["rel_error"], entry["rel_error"])
         else:
             groups.append(([entry["output"]], dict(entry)))
     out = []
     for names, entry in groups:
         label = _span(names)
         if entry["status"] == SAME:
-            verdict = f"same (max diff {entry['max_abs_diff']:.2g})"
+            rel = "" if entry.get("rel_error") is None else f", relative {entry['rel_error']:.2g}"
+            verdict = f"same (max diff {entry['max_abs_diff']:.2g}{rel})"
         elif entry["status"] == BY_DESIGN:
             verdict = f"changed by design: {entry['reason']}"
             if entry.get("file"):
@@ -299,11 +302,22 @@ def lines(contract: list[dict]) -> list[str]:
 
 
 def _span(names: list[str]) -> str:
-    """``["hidden_states[0]", ..., "hidden_states[29]"]`` -> ``"hidden_states[0..29]"``."""
-    if len(names) == 1:
-        return names[0]
-    stems = {n.rsplit("[", 1)[0] for n in names}
-    if len(stems) == 1 and all(n.endswith("]") and "[" in n for n in names):
-        first, last = names[0].rsplit("[", 1)[1][:-1], names[-1].rsplit("[", 1)[1][:-1]
-        return f"{stems.pop()}[{first}..{last}]"
-    return ", ".join(names)
+    """``["hidden_states[0]", ..., "hidden_states[29]", "model.last_hidden_state"]`` ->
+    ``"hidden_states[0..29], model.last_hidden_state"``: consecutive indices of one name as a range."""
+    runs: list[list] = []  # [stem, first, last] or [name]
+    for name in names:
+        stem, _, index = name.rpartition("[")
+        number = index[:-1] if name.endswith("]") and stem else ""
+        if number.isdigit() and runs and len(runs[-1]) == 3 and runs[-1][0] == stem:
+            if int(runs[-1][2]) + 1 == int(number):
+                runs[-1][2] = number
+                continue
+        runs.append([stem, number, number] if number.isdigit() else [name])
+    parts = []
+    for run in runs:
+        if len(run) == 1:
+            parts.append(run[0])
+        else:
+            stem, first, last = run
+            parts.append(f"{stem}[{first}]" if first == last else f"{stem}[{first}..{last}]")
+    return ", ".join(parts)
