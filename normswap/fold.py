@@ -102,6 +102,10 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None
                 p = model.get_submodule(owner[0])._parameters[owner[1]]
                 result.untie_bytes += p.numel() * p.element_size()
         result.sites.append(site)
+    while late := [(s, r) for s, r in shared_norm_parameters(walk) if any(s is x for x in result.sites)]:
+        for site, reason in late:  # a holder of its Parameter was blocked above: none of them folds
+            result.sites = [x for x in result.sites if x is not site]
+            site.foldable, site.reason = False, reason
     return result
 
 

@@ -466,3 +466,15 @@ def test_contract_lines_group_runs_of_outputs():
         "hidden_states[2], model.last_hidden_state",
     ]
     assert text[1].endswith("same (max diff 2e-07, relative 3e-08)") and text[2].endswith(why)
+
+
+def test_c34_tied_norm_whose_partner_is_blocked_later_does_not_fold(input_ids):
+    """Two norms holding one weight, where the fold plan blocks one of them for another reason (its fold would
+    overflow float16): the other must not fold either, or its reset would change the blocked one."""
+    model = _SharedNormLM("tied-norms")
+    with torch.no_grad():
+        model.norms[0].weight[5] = 200.0
+        model.ups[1].weight[:, 5] = 400.0  # 8e4 > 65504 once folded: only norms.1's fold overflows
+    sites = {s.name: s for s in normswap.inspect(model.half(), input_ids)}
+    assert "fold overflows float16" in sites["norms.1"].reason
+    assert not sites["norms.0"].foldable and "norms.1" in sites["norms.0"].reason

@@ -286,8 +286,10 @@ def reference_outputs(
     Kept: the outputs (logits ``(B*T, V)`` in the model's dtype, or a :class:`LogitSummary` when they exceed
     ``max_logits_bytes``: top-64 logits, log-sum-exp, tail mass and next-token log-probs per token); for
     bfloat16/float16 models also the float32-upcast model's outputs (see :func:`upcast`) and the original's
-    own error against them; sampled per-site records for localization when ``sites`` is given; the greedy
-    continuation when ``greedy_tokens > 0``.
+    own error against them; every other output the forward returns with ``output_hidden_states=True`` (the
+    hidden states, the base model's last hidden state, encoder outputs), sampled at the localization's
+    positions, for the contract (``normswap.check.contract``); sampled per-site records for localization
+    when ``sites`` is given; the greedy continuation when ``greedy_tokens > 0``.
 
     Args:
         model: the original model (``AutoModelForCausalLM`` with ``.logits`` or an encoder with
