@@ -1,6 +1,6 @@
 """Per-call cost of a folded norm at decode sizes: this tree's modules and another revision's, side by side.
 
-A folded RMSNorm holds the identity weight (1, or 0 with Gemma's offset 1). Before issue 21 the module decided
+A folded RMSNorm holds the identity weight (1, or 0 with Gemma's offset 1). Before, the module decided
 "the weight is the identity" per call from a cache keyed on the weight's version counter (stale after a fused
 optimizer step or a ``.data`` edit); now the module is built weight-free (``identity_weight=True``), a fact of
 its structure. This times both revisions' modules, and a module that multiplies by a random weight, in the
