@@ -103,7 +103,7 @@ class _FusedNorm(nn.Module):
 
         Afterwards the module multiplies by that weight on every call (one more op per call), so
         fine-tuning, optimizers and in-place edits reach it as they would reach the replaced module's.
-        Returns the Parameter (the existing one if the module already has a weight).
+        Returns the Parameter (the existing weight if the module already has one).
 
         Raises:
             AttributeError: the module has no weight at all (a parameter-free norm).
@@ -112,7 +112,7 @@ class _FusedNorm(nn.Module):
             raise AttributeError(f"{type(self).__name__} is parameter-free: it has no weight to add")
         if self.identity_weight:
             setattr(self, self.weight_name, nn.Parameter(self.identity_tensor()))
-        return self._parameters[self.weight_name]
+        return getattr(self, self.weight_name)
 
     def _leave_identity(self, name: str) -> None:
         if name == self.__dict__.get("weight_name") and self.__dict__.get("identity_weight"):
