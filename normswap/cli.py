@@ -23,7 +23,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 # Python arguments named in the library's errors -> the options that set them here
-_API_TO_CLI = {"overwrite=True": "--overwrite", "trust_remote_code=True": "--trust-remote-code"}
+_API_TO_CLI = {
+    "overwrite=True": "--overwrite",
+    "trust_remote_code=True": "--trust-remote-code",
+    "keep_hidden_states=True": "--keep-hidden-states",
+    "norm='rmsnorm'": "--norm rmsnorm",
+}
 
 
 def _cli_wording(message: str) -> str:
@@ -304,13 +309,26 @@ def main() -> None:
     help="Hold at most about SIZE of weights (2GiB, 500MB, ...): a larger safetensors model directory is "
     "streamed shard by shard (docs/STREAMING.md).",
 )
+@click.option(
+    "--keep-hidden-states",
+    is_flag=True,
+    help="Keep every hidden state (output_hidden_states, the base model's last_hidden_state) the "
+    "original's: the final norm is not folded into lm_head, and the check requires each to match.",
+)
 def convert(model, output, report, norm, dtype, trust_remote_code, device, device_map, tokens, force,
-            overwrite, no_untie, tokenizer_name, rotate, rotate_seed, rotate_heads, max_memory):  # fmt: skip
+            overwrite, no_untie, tokenizer_name, rotate, rotate_seed, rotate_heads, max_memory,
+            keep_hidden_states):  # fmt: skip
     """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
     stages = _stages(output)  # before the imports: an interrupt names the output from the start
     from normswap import io
     from normswap.check import compare, reference_outputs
-    from normswap.convert import already_converted, no_norms_message
+    from normswap.convert import (
+        KEEP_VS_CENTER,
+        KEEP_VS_ROTATE,
+        already_converted,
+        no_norms_message,
+        stream_transform,
+    )
     from normswap.convert import convert as convert_model
     from normswap.io import carry
     from normswap.rotate import ROTATION_FILE, check_saved, rotate_reference
@@ -319,6 +337,10 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     _quiet_transformers()
     if rotate is None and (rotate_heads or rotate_seed != 0):
         raise click.UsageError("--rotate-heads and --rotate-seed need --rotate hadamard|random")
+    if keep_hidden_states and norm == "rmsnorm":
+        raise NormswapError(_cli_wording(KEEP_VS_CENTER))
+    if keep_hidden_states and rotate is not None:
+        raise NormswapError(_cli_wording(KEEP_VS_ROTATE))
     io.check_output_dir(output, model, overwrite=overwrite)
     report_file = None  # written by its absolute path: `--output .` may exchange the working directory
     if report is not None:
@@ -326,7 +348,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     if max_memory is not None and rotate is not None:
         _refuse_streamed_rotation(model, max_memory, dtype, trust_remote_code, tokenizer_name)
     options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
-                   overwrite=overwrite, no_untie=no_untie)  # fmt: skip
+                   overwrite=overwrite, no_untie=no_untie, keep_hidden_states=keep_hidden_states)  # fmt: skip
     if max_memory is not None and _convert_streamed(
         model, output, report, max_memory, device=device, device_map=device_map, tokenizer=tokenizer_name,
         report_file=report_file, stages=stages, **options,
@@ -348,7 +370,8 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         carry.refuse_changed_stream(model, loaded.model, inputs.skipped, option)
     input_ids, check_input = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens, loaded.model)
     stages.start("walk", "finding the norms and their consumers")
-    traced = walk(loaded.model, short_inputs(input_ids))  # the dataflow does not depend on the length
+    # the dataflow does not depend on the length
+    traced = walk(loaded.model, short_inputs(input_ids), keep_hidden_states=keep_hidden_states)
     if not traced.sites:
         raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
     manifest = io.input_manifest(loaded.info.path) if loaded.info.kind == "dir" else None
@@ -357,14 +380,18 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     on = f"random {check_input['input']}" if "input" in check_input else f"{input_ids.shape[-1]} tokens"
     stages.start("reference", f"running the original on {on}")
     reference = reference_outputs(loaded.model, input_ids, sites=traced.sites)
+    embeds = _input_embeds(loaded.model, input_ids) if norm == "rmsnorm" and rotate is None else None
     stages.start("convert", "folding and swapping the norms" + (f", rotating ({rotate})" if rotate else ""))
     traced_with = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
     result = convert_model(loaded.model, norm=norm, untie=not no_untie, traced=traced, rotate=rotate,
-                           rotate_seed=rotate_seed, rotate_heads=rotate_heads, **traced_with)  # fmt: skip
+                           rotate_seed=rotate_seed, rotate_heads=rotate_heads,
+                           keep_hidden_states=keep_hidden_states, **traced_with)  # fmt: skip
     if result.rotation is not None:  # the original's stream records, as the rotated model computes them
         rotate_reference(reference, result.rotation)
     stages.start("check", "comparing the converted model's outputs with the original's")
-    checked = compare(reference, loaded.model, input_ids)
+    checked = compare(reference, loaded.model, input_ids, transform=stream_transform(result),
+                      keep_hidden_states=keep_hidden_states)  # fmt: skip
+    extra_files = _inputs_transform(result, reference, loaded.model, embeds, checked)
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)
     report_dict["check_input"] = check_input
@@ -382,6 +409,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
             verified = io.save_and_verify(
                 loaded, report_dict, output, input_ids, overwrite=overwrite, force=force, inputs=inputs,
                 input_path=model, trust_remote_code=trust_remote_code, stages=stages, extra_tensors=extra,
+                extra_files=extra_files,
                 check_extra=None if rotation is None else lambda folder: check_saved(folder, rotation),
             )  # fmt: skip
         except NormswapError:
@@ -408,9 +436,41 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         raise SystemExit(1)
 
 
+def _input_embeds(model, input_ids):
+    """The original model's input embeddings of ``input_ids`` (to prove the ``inputs_embeds`` transform of a
+    centered model), or None when it has no input embedding module."""
+    import torch
+
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is None:
+        return None
+    with torch.no_grad():
+        return embedding(input_ids.to(next(embedding.parameters()).device)).cpu()
+
+
+def _inputs_transform(result, reference, model, embeds, checked) -> dict[str, str]:
+    """After centering: the ``inputs_embeds`` transform (``normswap.center.inputs``), proved on the check's
+    ids (the converted model given the transformed original embeddings reproduces the original's logits;
+    a failure fails the check), as the file to save beside the checkpoint; {} otherwise."""
+    from normswap.center import inputs
+    from normswap.check.core import compare_inputs_embeds
+    from normswap.io.files import to_json
+
+    transform = (result.centering or {}).get("inputs")
+    if not transform or embeds is None or transform.get("kind") == "unknown":
+        return {}
+    proof = compare_inputs_embeds(reference, model, inputs.apply(transform, embeds))
+    transform["verified"] = proof
+    if not proof["passed"]:
+        checked.passed = False
+        checked.failures.append(f"the inputs_embeds transform of {inputs.FILE} does not hold: "
+                                + "; ".join(proof["failures"]))  # fmt: skip
+    return {inputs.FILE: to_json(transform)}
+
+
 def _convert_streamed(model, output, report, max_memory, *, device, device_map, tokenizer, report_file,
-                      stages, norm, dtype, trust_remote_code, tokens, force, overwrite,
-                      no_untie) -> bool:  # fmt: skip
+                      stages, norm, dtype, trust_remote_code, tokens, force, overwrite, no_untie,
+                      keep_hidden_states) -> bool:  # fmt: skip
     """``convert --max-memory``: False when the model fits in the budget (the in-memory path then runs),
     else the streamed conversion (``normswap.stream``, on the CPU), with the same outputs, messages and exit
     codes; options it cannot honour (``--norm rmsnorm``, ``--device-map``, a ``--device`` other than the
@@ -440,8 +500,9 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
     )
     input_ids, check_input = _check_ids(model, source.config, source.tokenizer, tokens)
     report_dict, passed = stream.convert_streamed(
-        source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, stages=stages
-    )
+        source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, stages=stages,
+        keep_hidden_states=keep_hidden_states,
+    )  # fmt: skip
     report_dict["check_input"] = check_input
     _note_check_text(report_dict, tokenizer)
     from normswap.stream import dist
@@ -517,11 +578,15 @@ def _check_ids(model: str, config, tokenizer, tokens: int | None, loaded=None):
 @click.argument("model", callback=model_name)
 @_load_options(dtype_help="Precision the model is loaded and inspected in.")
 @click.option("--json", "json_path", type=OutputPath(), help="Write the site list as JSON here.")
-def inspect(model, dtype, trust_remote_code, device, device_map, json_path):
-    """List every norm of MODEL: kind, convention, eps, cast order, consumers, foldable or why not."""
+@click.option("--no-untie", is_flag=True, help="As convert --no-untie: the verdicts without untying lm_head.")
+@click.option("--keep-hidden-states", is_flag=True, help="As convert --keep-hidden-states.")
+def inspect(model, dtype, trust_remote_code, device, device_map, json_path, no_untie, keep_hidden_states):
+    """List every norm of MODEL: kind, convention, eps, cast order, consumers, foldable or why not.
+
+    The verdicts are convert's (with --norm keep and the same options): the same walk and fold plan.
+    """
     from normswap import io
-    from normswap.convert import no_norms_message
-    from normswap.walk import walk
+    from normswap.convert import no_norms_message, survey
 
     _quiet_transformers()
     if json_path is not None:
@@ -531,8 +596,8 @@ def inspect(model, dtype, trust_remote_code, device, device_map, json_path):
     loaded = io.load_model(
         model, dtype=dtype, trust_remote_code=trust_remote_code, device=device, device_map=device_map
     )
-    stages.start("walk", "finding the norms and their consumers")
-    traced = walk(loaded.model)
+    stages.start("walk", "finding the norms and their consumers, and convert's fold plan")
+    traced = survey(loaded.model, untie=not no_untie, keep_hidden_states=keep_hidden_states)
     stages.stop()
     sites = traced.sites
     for name, error in traced.probe_failures.items():
@@ -595,6 +660,19 @@ def _size(nbytes: int) -> str:
     return progress.size(nbytes)
 
 
+def _contract_lines(contract: list[dict], report: dict) -> list[str]:
+    """``contract:`` lines: per returned output (runs grouped), same or changed by design and why."""
+    from normswap.check.contract import BY_DESIGN, lines
+
+    if not contract:
+        return []
+    out = [("contract: " if i == 0 else " " * 10) + line for i, line in enumerate(lines(contract))]
+    folded = any(e["status"] == BY_DESIGN and not e.get("relation") for e in contract)
+    if folded and not report.get("keep_hidden_states"):
+        out.append(" " * 10 + "(--keep-hidden-states keeps every hidden state the original's)")
+    return out
+
+
 def _summary(report: dict, output: Path | None, report_path: Path | None) -> str:
     """The short human summary printed after ``convert``: norms, untying, check numbers, where things went."""
     lines = [
@@ -641,6 +719,7 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
             lines.append(f"          - {failure}")
         if check.get("divergence"):
             lines.append(f"          first divergence: {check['divergence'].get('description')}")
+        lines += _contract_lines(check.get("contract") or [], report)
     carried = report.get("carried") or {}
     if carried.get("tensors"):
         names = carried["tensors"]

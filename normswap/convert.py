@@ -11,12 +11,20 @@ from torch import nn
 
 from normswap.affine_fold import fold_affine, plan_affine
 from normswap.errors import NormswapError
-from normswap.fold import fold_site, plan, untie_checked
+from normswap.fold import fold_site, plan, scale_and_shift, untie_checked
 from normswap.sites import NormSite
 from normswap.swap import swap_norms
 from normswap.walk import ExampleInputs, Walk, walk
 
 NORM_CHOICES = ("keep", "rmsnorm")
+KEEP_VS_CENTER = (
+    "norm='rmsnorm' centers the residual stream, which moves every hidden state by its mean: it cannot keep "
+    "the hidden states (keep_hidden_states=True)"
+)
+KEEP_VS_ROTATE = (
+    "rotate=... rotates the residual stream, which turns every hidden state h into h Q: it cannot keep the "
+    "hidden states (keep_hidden_states=True)"
+)
 log = logging.getLogger("normswap")
 
 
@@ -34,6 +42,9 @@ class ConvertReport:
         untouched: 2-D+ parameters no op used in the trace (listed for the user to judge).
         check: the check result (``CheckResult.to_dict()``) when the caller ran one.
         rotation: the residual-stream rotation (``normswap.rotate.Rotation``) when one was asked for.
+        keep_hidden_states: whether the conversion kept every hidden state (``convert``'s option).
+        centering: what centering did (``norm="rmsnorm"``: ``CenterResult.to_dict()``, with ``inputs``, the
+            ``inputs_embeds`` transform), or None.
     """
 
     model: str
@@ -47,6 +58,8 @@ class ConvertReport:
     untouched: list[str] = field(default_factory=list)
     check: dict[str, Any] | None = None
     rotation: Any = None
+    keep_hidden_states: bool = False
+    centering: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         extra = {"rotation": self.rotation.to_dict()} if self.rotation is not None else {}
@@ -60,6 +73,8 @@ class ConvertReport:
             "untie_bytes": self.untie_bytes,
             "untouched": list(self.untouched),
             "sites": [s.to_dict() for s in self.sites],
+            "keep_hidden_states": self.keep_hidden_states,
+            "centering": self.centering,
             "check": self.check,
         } | extra
 
@@ -76,9 +91,43 @@ def _rotate(model: nn.Module, rotation_plan, result: Walk, folding, kind: str, s
     tensors = apply(model, rotation_plan, result.sites, folded, matrices)
     for name in rotation_plan.kept_bias:
         site = next(s for s in result.sites if s.name == name)
+        site.scale_folded = True
         site.reason = f"scale folded, bias kept on the norm and rotated ({site.reason})"
     log.info("rotated the residual stream: %s", matrices["Q"].description)
     return Rotation(kind, seed, matrices, tensors, rotation_plan, kept_scales=kept)
+
+
+def stream_transform(report: ConvertReport | dict, folder=None):
+    """The change ``report``'s conversion made to the residual stream by design, for ``check.compare``
+    (``normswap.check.contract.StreamTransform``), or None: rotated after ``rotate=...`` (centered first for
+    a LayerNorm model; the matrix is ``report.rotation``'s, or read from the checkpoint ``folder`` for a
+    ``normswap.json`` dict), centered after ``norm="rmsnorm"`` (a rewritten embedding table's norm input
+    excepted)."""
+    from normswap.center.inputs import FILE
+    from normswap.check.contract import centered, rotated
+
+    data = report.to_dict() if hasattr(report, "to_dict") else report
+    rotation = getattr(report, "rotation", None)
+    if rotation is not None:
+        from normswap.rotate import ROTATION_FILE
+
+        return rotated(rotation.Q, rotation.centered, ROTATION_FILE)
+    if data.get("rotation") and folder is not None:
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        from normswap.rotate import ROTATION_FILE
+
+        path = Path(folder) / ROTATION_FILE
+        if path.is_file():
+            return rotated(load_file(str(path))["Q"], bool(data["rotation"].get("centered")), ROTATION_FILE)
+        return None
+    centering = data.get("centering")
+    if not centering:
+        return None
+    rewritten = [t.split(" -> ", 1)[1].split(" ", 1)[0] for t in centering.get("tables", [])]
+    return centered(FILE, rewritten)
 
 
 def _model_name(model: nn.Module) -> str:
@@ -157,9 +206,18 @@ def already_converted(source: str, model: nn.Module, sites: list[NormSite], norm
 
 
 def inspect(
-    model: nn.Module, input_ids: torch.Tensor | None = None, *, example_inputs=None
+    model: nn.Module,
+    input_ids: torch.Tensor | None = None,
+    *,
+    example_inputs=None,
+    untie: bool = True,
+    keep_hidden_states: bool = False,
 ) -> list[NormSite]:
     """List the norms of ``model`` with their semantics, consumers and foldability; changes nothing.
+
+    Each site's ``foldable`` and ``reason`` are the verdict ``convert`` reaches with the same options: the
+    walk, then the same fold plan (shared parameters, the fold's range in the weights' dtype, untying
+    ``lm_head`` and its proof, undone afterwards). See ``survey``.
 
     Args:
         model: any ``nn.Module``: a Hugging Face model, or one whose forward takes other inputs (give
@@ -170,6 +228,7 @@ def inspect(
             ``(args_tuple, kwargs_dict)``; also a tuple of positional args, a dict of keyword args, a single
             tensor (one positional arg) or ``normswap.walk.ExampleInputs``. Called as
             ``model(*args, **kwargs)``, exactly as given.
+        untie, keep_hidden_states: as in ``convert``.
 
     Returns:
         One ``NormSite`` per norm module, in execution order.
@@ -177,7 +236,30 @@ def inspect(
     Raises:
         ValueError: both ``input_ids`` and ``example_inputs`` given.
     """
-    return walk(model, trace_inputs(input_ids, example_inputs)).sites
+    inputs = trace_inputs(input_ids, example_inputs)
+    return survey(model, inputs, untie=untie, keep_hidden_states=keep_hidden_states).sites
+
+
+@torch.inference_mode(False)
+def survey(model: nn.Module, inputs=None, *, untie: bool = True, keep_hidden_states: bool = False) -> Walk:
+    """The walk of ``model`` with the verdict ``convert`` would reach on each site, without converting.
+
+    ``walk`` finds the norms and what reads them; ``fold.plan`` then blocks the sites convert blocks
+    (a Parameter shared with another holder, a fold beyond the weights' dtype range, a tied consumer with
+    untying disabled), and the untie proof runs as in ``convert`` (two short forwards where the model may
+    read ``tie_word_embeddings``), after which the untied copies are dropped again: the model ends exactly
+    as it was. Centering (``norm="rmsnorm"``) is not planned here: the verdicts are those of ``"keep"``.
+
+    Args:
+        model: the model (unchanged on return).
+        inputs: the trace's inputs (``input_ids``, ``ExampleInputs`` or None; see ``walk``).
+        untie, keep_hidden_states: as in ``convert``.
+    """
+    result = walk(model, inputs, keep_hidden_states=keep_hidden_states)
+    if result.sites:
+        folding = plan(model, result, untie=untie)
+        untie_checked(model, folding, inputs).restore()
+    return result
 
 
 @torch.inference_mode(False)  # tensors made here become parameters: never inference tensors (C24)
@@ -194,6 +276,7 @@ def convert(
     rotate: str | None = None,
     rotate_seed: int = 0,
     rotate_heads: bool = False,
+    keep_hidden_states: bool = False,
 ) -> ConvertReport:
     """Fold every foldable norm into its consumers and swap every norm for a fused module, in place.
 
@@ -214,6 +297,7 @@ def convert(
             also used for the untie proof and the centering record.
         traced: a ``normswap.walk.walk(model, inputs)`` of this model taken just before (so a caller that
             needed the sites first, e.g. to record a reference, does not trace twice); walked here if None.
+            With ``keep_hidden_states`` it must have been walked with ``keep_hidden_states=True`` too.
         rotate: ``"hadamard"`` or ``"random"``: after folding, rotate the residual stream by an orthogonal
             ``Q`` (hidden x hidden; a randomized Hadamard matrix where a construction is known, else a
             seeded random orthogonal one); a LayerNorm model is centered first (as ``norm="rmsnorm"``) and
@@ -221,13 +305,18 @@ def convert(
             (``report.rotation``, docs/ROTATION.md). Needs ``fold``.
         rotate_seed: seed of the rotation's random signs or Gaussian matrix.
         rotate_heads: also rotate each attention head's values and output projection (``--rotate-heads``).
+        keep_hidden_states: keep every hidden state the model returns (``output_hidden_states``, the base
+            model's ``last_hidden_state``) the original's: a norm whose output is returned (the final norm) is
+            not folded into the head, and centering and rotation, which move every hidden state, are refused.
 
     Returns:
         A ``ConvertReport``. Every parameter it creates is an ordinary tensor, also when called inside
-        ``torch.inference_mode()``: the converted model can be trained.
+        ``torch.inference_mode()``: the converted model can be trained. After centering, give
+        ``normswap.check.compare`` the stream transform ``stream_transform(report)``.
 
     Raises:
-        ValueError: unknown ``norm``, or both ``input_ids`` and ``example_inputs``.
+        ValueError: unknown ``norm``, both ``input_ids`` and ``example_inputs``, or ``norm="rmsnorm"`` with
+            ``keep_hidden_states``.
         NormswapError: the model has no norm.
         normswap.center.CenteringError: ``norm="rmsnorm"`` on a model that cannot be converted exactly (the
             model is left unchanged).
@@ -236,8 +325,12 @@ def convert(
     """
     if norm not in NORM_CHOICES:
         raise ValueError(f"norm must be one of {NORM_CHOICES}, got {norm!r}")
+    if norm == "rmsnorm" and keep_hidden_states:
+        raise ValueError(KEEP_VS_CENTER)
+    if rotate is not None and keep_hidden_states:
+        raise ValueError(KEEP_VS_ROTATE)
     inputs = trace_inputs(input_ids, example_inputs)
-    result = traced if traced is not None else walk(model, inputs)
+    result = traced if traced is not None else walk(model, inputs, keep_hidden_states=keep_hidden_states)
     if not result.sites:
         raise NormswapError(f"{_model_name(model)}: {no_norms_message(result)}")
     rotation_plan = None
@@ -266,7 +359,7 @@ def convert(
             not_centered = getattr(error, "what", None) or str(error)
     report = ConvertReport(
         model=_model_name(model), norm=norm, norms_found=len(result.sites), norms_folded=0, norms_swapped=0,
-        sites=result.sites, untouched=result.untouched,
+        sites=result.sites, untouched=result.untouched, keep_hidden_states=keep_hidden_states,
     )  # fmt: skip
     if fold:
         folding = plan(model, result, untie=untie)
@@ -274,6 +367,8 @@ def convert(
             log.info("untying %s costs %d extra bytes", ", ".join(f"{m}.{a}" for m, a in folding.untie),
                      folding.untie_bytes)  # fmt: skip
         untied = untie_checked(model, folding, inputs)
+        # every scale is read before any norm is reset: norms sharing one Parameter fold with its value
+        scales = {s.name: scale_and_shift(s, model.get_submodule(s.name)) for s in folding.sites}
         stream = set()
         if rotation_plan is not None:  # before any fold: a refusal undoes the untying
             from normswap.rotate import RotationError, check_folding
@@ -291,7 +386,7 @@ def convert(
         report.untie_bytes = folding.untie_bytes
         for site in folding.sites:
             if site.name not in stream:
-                fold_site(model, site)
+                fold_site(model, site, scales[site.name])
         affine = plan_affine(model, result)  # BatchNorm / NoNorm: into a producer or consumers
         for site in affine:
             fold_affine(model, site)
@@ -303,6 +398,8 @@ def convert(
     if centering is not None:  # centering may untie an embedding written into the residual stream
         report.untied = centering.untied + report.untied
         report.untie_bytes += centering.untie_bytes
+        if centering.note is None:
+            report.centering = centering.to_dict()
     if swap:
         report.norms_swapped = swap_norms(model, result.sites)
     return report

@@ -56,6 +56,8 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None
     ``untie`` is true and the weight is held by several module attributes; otherwise the site is not folded.
     """
     result = FoldPlan(may_read_flag=may_read_flag(walk.config_reads))
+    for site, reason in shared_norm_parameters(walk):
+        site.foldable, site.reason = False, reason
     foldable = [s for s in walk.sites if s.foldable and s.kind in NORM_KINDS]  # AFFINE_KINDS: affine_fold
     sites_of: dict[str, set[str]] = {}
     for site in foldable:
@@ -100,7 +102,49 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None
                 p = model.get_submodule(owner[0])._parameters[owner[1]]
                 result.untie_bytes += p.numel() * p.element_size()
         result.sites.append(site)
+    while late := [(s, r) for s, r in shared_norm_parameters(walk) if any(s is x for x in result.sites)]:
+        for site, reason in late:  # a holder of its Parameter was blocked above: none of them folds
+            result.sites = [x for x in result.sites if x is not site]
+            site.foldable, site.reason = False, reason
     return result
+
+
+def shared_norm_parameters(walk: Walk) -> list[tuple[NormSite, str]]:
+    """Foldable sites whose own weight or bias is also held or read outside the norms that fold with it,
+    each with the reason (naming the holders) why it must not fold (case C34).
+
+    A fold resets the norm's parameters to the identity after multiplying them into its consumers. When one
+    Parameter is held by several norm modules (cross-layer tied norm weights) and every holder folds, each
+    consumer takes the value from before any reset (``convert`` reads every scale first) and the reset is
+    the same for all: that folds once, exactly. When a holder does not fold (it is not a norm, or its own
+    fold is blocked), or another module's forward reads the Parameter (``walk.param_uses``), the reset would
+    change that computation: every site holding it is refused.
+    """
+    site_at = {(s.name, attr): s for s in walk.sites for attr in (s.weight, s.bias) if attr}
+    blocked: dict[str, tuple[NormSite, str]] = {}
+    for qual, holders in walk.owners.items():
+        sites = [site_at.get(h) for h in holders]
+        group = [s for s in sites if s is not None]
+        if not any(s.foldable for s in group):
+            continue
+        norms = {s.name for s in group}
+        others = [f"{m}.{a}" if m else a for (m, a), s in zip(holders, sites, strict=True) if s is None]
+        users = sorted({mod or "the model's forward" for _, mod in walk.param_uses.get(qual, [])} - norms)
+        stuck = sorted(s.name for s in group if not s.foldable)
+        if others:
+            why = f"is also held by {', '.join(others)}"
+        elif users:
+            why = f"is also read in {', '.join(users)}"
+        elif stuck:
+            why = f"is shared with the norm {', '.join(stuck)}, which does not fold"
+        else:
+            continue  # held by this norm alone, or by norms that all fold: folds once, exactly
+        holders_text = ", ".join(sorted(norms))
+        for site in group:
+            if site.foldable and site.name not in blocked:
+                reason = f"parameter {qual} (held by {holders_text}) {why}: a fold would reset it there too"
+                blocked[site.name] = (site, reason)
+    return list(blocked.values())
 
 
 @dataclass
@@ -336,17 +380,19 @@ def scale_axis_(weight: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.T
 
 
 @torch.no_grad()
-def fold_site(model: nn.Module, site: NormSite) -> None:
+def fold_site(model: nn.Module, site: NormSite, scale_shift=None) -> None:
     """Fold one foldable site into its consumers and reset the norm to its identity parameters, in place.
 
     The float64 arithmetic runs in blocks of rows, so folding into a large ``lm_head`` costs at most a
-    32 MiB temporary, not a float64 copy of the weight.
+    32 MiB temporary, not a float64 copy of the weight. ``scale_shift``: the site's ``scale_and_shift``
+    taken before any site was folded (norms that share one Parameter fold with its original value; see
+    ``shared_norm_parameters``); read from the norm now when None.
 
     Raises:
         ValueError: a consumer bias does not have the shape ``W b`` gives (the fold would not be exact).
     """
     norm = model.get_submodule(site.name)
-    scale, shift = scale_and_shift(site, norm)
+    scale, shift = scale_shift if scale_shift is not None else scale_and_shift(site, norm)
     for c in distinct_consumers(site):
         weight = model.get_parameter(c.param)
         if shift is not None and c.bias is not None:

@@ -143,56 +143,115 @@ def _roles(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: torch.Tensor,
     return scale, bias
 
 
-def _measure_eps(module: nn.Module, n: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> float:
-    """Find the eps the module really adds to the mean square (or variance).
+def _measure_eps(module: nn.Module, n: torch.Tensor, w: torch.Tensor, b: torch.Tensor, kind: str = "rmsnorm",
+                 dtype: torch.dtype = torch.float64) -> float:  # fmt: skip
+    """Find the eps the module really adds to the mean square (or variance), fed inputs of ``dtype``.
 
-    Feeding ``t * n`` (rows of mean square ``t**2``, zero mean for LayerNorm) gives
-    ``y - b = w * n * t / sqrt(t**2 + eps)``; the ratio ``rho = t / sqrt(t**2 + eps)`` is best conditioned
-    where ``t**2`` is near eps, so sweep ``t**2`` over 1 .. 1e-16 and keep the estimate with rho closest to
-    1/sqrt(2).
+    Feeding ``x = t * n`` (rows of mean square ``t**2``, zero mean for LayerNorm) gives
+    ``y - b = w * x / sqrt(ms(x) + eps)``; the ratio ``rho = sqrt(ms / (ms + eps))`` is best conditioned
+    where ``ms`` is near eps, so sweep ``t**2`` over 1 .. 1e-16 and keep the estimate with rho closest to
+    1/sqrt(2). ``x`` is rounded to ``dtype`` first, and ``ms`` and the eps-free normalization are taken from
+    the rounded input (in float64), so a half-precision measurement is unbiased; its rounding noise averages
+    over the probe's elements (measured: within 1% in bfloat16).
     """
-    wn = w * n
-    denom = wn.pow(2).sum().item()
     best, best_gap = 0.0, math.inf
     for k in range(0, 17):
         t = 10.0 ** (-k / 2)
-        y = _run(module, (n * t).to(torch.float64))
+        x = (n * t).to(dtype)
+        y = _run(module, x)
         if y is None:
             break
-        rho = ((y - b) * wn).sum().item() / denom
+        xd = x.double()
+        if kind == "layernorm":
+            xd = xd - xd.mean(-1, keepdim=True)
+        ms = xd.pow(2).mean(-1, keepdim=True)
+        if not bool((ms > 0).all()):
+            break  # the input underflowed in this dtype
+        u = w * xd / ms.sqrt()
+        rho = ((y - b) * u).sum().item() / u.pow(2).sum().item()
         if not 0.0 < rho <= 1.0 + 1e-9:
             continue
         gap = abs(rho - 2**-0.5)
         if gap < best_gap and rho < 0.999:
             best_gap = gap
-            best = t * t * (1.0 / (rho * rho) - 1.0)
+            best = ms.mean().item() * (1.0 / (rho * rho) - 1.0)
         if rho < 0.2:  # past the well-conditioned range: eps dominates from here on
             break
     return best
 
 
+_FLOAT_EPS = tuple(torch.finfo(d).eps for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16))
+
+
 def _snap_eps(estimate: float, module: nn.Module) -> float:
-    """Prefer a float attribute of the module that matches the measured eps; else round to 3 digits."""
+    """Prefer a float attribute of the module, or the machine epsilon of a float dtype (what ``eps=None``
+    adds: ``nn.RMSNorm``), that matches the measured eps within 2%; else round to 3 digits."""
     if estimate <= 0.0:
         return 0.0
-    for value in vars(module).values():
-        if isinstance(value, float) and value > 0 and abs(value - estimate) <= 0.02 * estimate:
+    for value in [v for v in vars(module).values() if isinstance(v, float)] + list(_FLOAT_EPS):
+        if value > 0 and abs(value - estimate) <= 0.02 * estimate:
             return value
     return float(f"{estimate:.2e}")
 
 
-def _cast_order(module: nn.Module, site: NormSite, shape: tuple[int, ...], gen: torch.Generator) -> str:
-    """Which of the two cast orders a bfloat16 copy of the module follows, bit for bit.
+def _in_dtypes(probe: nn.Module, module: nn.Module) -> nn.Module:
+    """A copy of the float64 ``probe`` whose tensors have the dtypes of ``module``'s (the model's own)."""
+    own = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
+    low = copy.deepcopy(probe)
+    with torch.no_grad():
+        for name, t in [*low.named_parameters(recurse=False), *low.named_buffers(recurse=False)]:
+            if name in own and t.is_floating_point():
+                t.data = t.data.to(own[name].dtype)
+    return low
+
+
+def _run_dtype_eps(probe: nn.Module, module: nn.Module, site: NormSite, n: torch.Tensor,
+                   run_dtype: torch.dtype | None) -> float:  # fmt: skip
+    """The eps the module adds in the dtype it runs in (``run_dtype``: its input's in the model).
+
+    ``site.eps`` is measured in float64 (precise); the module is measured again on inputs of ``run_dtype``
+    with its parameters in their own dtypes. Where the two disagree by more than a factor 2 (far beyond the
+    low-precision measurement's error), the eps depends on the dtype -- ``nn.RMSNorm(eps=None)`` adds the
+    machine epsilon of its compute type, float32's 1.19e-7 for a bfloat16 input (torch 2.13), where float64
+    shows 2.2e-16 -- and the run dtype's measurement is the module's eps.
+    """
+    eps64 = site.eps
+    if run_dtype is None or run_dtype == torch.float64 or not run_dtype.is_floating_point:
+        return eps64
+    low = _in_dtypes(probe, module)
+    one = torch.ones((), dtype=torch.float64, device="cpu")
+    w = getattr(low, site.weight).double() + site.offset if site.weight else one
+    b = getattr(low, site.bias).double() if site.bias else torch.zeros((), dtype=torch.float64, device="cpu")
+    estimate = _measure_eps(low, n, w.double(), b, site.kind, run_dtype)
+    if estimate <= 0.0 or 0.5 * eps64 <= estimate <= 2.0 * eps64:
+        return eps64
+    return _snap_eps(estimate, module)
+
+
+def _cast_order(
+    module: nn.Module,
+    site: NormSite,
+    shape: tuple[int, ...],
+    gen: torch.Generator,
+    low: nn.Module | None = None,
+    run_dtype: torch.dtype | None = None,
+) -> str:
+    """Which of the two cast orders the module follows, bit for bit, in half precision.
 
     ``"llama"``: normalize in float32, cast to the input dtype, then multiply by the weight (LlamaRMSNorm).
     ``"fp32"``: multiply by the weight in float32 and cast at the end (GemmaRMSNorm, nn.LayerNorm).
+    Measured as the module runs in the model when that is half precision (``low``: the module with its own
+    parameter dtypes, on ``run_dtype`` inputs), else on a bfloat16 copy (in float32 the two orders agree).
     """
     from normswap.kernels import layer_norm, rms_norm
 
     if site.weight is None:
         return "fp32"
-    low = module.to(torch.bfloat16)
-    x = (torch.randn(shape, generator=gen, device="cpu") * 3).to(torch.bfloat16)
+    half = run_dtype in (torch.bfloat16, torch.float16) and low is not None
+    low, dtype = (low, run_dtype) if half else (module.to(torch.bfloat16), torch.bfloat16)
+    x = (torch.randn(shape, generator=gen, device="cpu") * 3).to(dtype)
+    with torch.no_grad():
+        out_dtype = low(x).dtype  # llama order promotes to the weight's dtype (C3): part of the evidence
     y = _run(low, x)
     if y is None:
         return "fp32"
@@ -204,7 +263,7 @@ def _cast_order(module: nn.Module, site: NormSite, shape: tuple[int, ...], gen: 
             ref = rms_norm(x, w, eps=site.eps, offset=site.offset, cast_order=order, backend="eager")
         else:
             ref = layer_norm(x, w, b, eps=site.eps, offset=site.offset, cast_order=order, backend="eager")
-        err = (ref.double() - y).abs().sum().item()
+        err = (ref.double() - y).abs().sum().item() if ref.dtype == out_dtype else math.inf
         if err < best_err:
             best, best_err = order, err
     return best
@@ -248,13 +307,17 @@ def _finite_copy(module: nn.Module) -> nn.Module:
     return module
 
 
-def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = "") -> NormSite | None:
+def probe_module(
+    module: nn.Module, input_shape: tuple[int, ...], name: str = "", input_dtype: torch.dtype | None = None
+) -> NormSite | None:
     """Decide by probing whether ``module`` is a norm, and measure its semantics.
 
     Args:
         module: the candidate (never modified; probing runs on float64 and bfloat16 copies).
         input_shape: shape of the tensor the module was called with in the model, ``(..., D)``.
         name: module name, recorded on the site.
+        input_dtype: dtype of that tensor (default: the scale parameter's, else float32). eps and the cast
+            order are measured as the module computes on inputs of this dtype with its own parameters.
 
     Returns:
         A ``NormSite`` (consumers empty, not yet foldable) or ``None`` if the module is not a norm over the
@@ -311,12 +374,8 @@ def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = ""
         return None  # a parameter-free map with a hidden constant scale is not a norm we can reproduce
     if not _close((offset + w) * n + b, y, rtol=1e-4):
         return None
-    eps = _snap_eps(_measure_eps(probe, n, offset + w, b), module)
-    ref_dtype = getattr(module, scale_name).dtype if scale_name else torch.float32
-    if eps > 0 and abs(eps - torch.finfo(torch.float64).eps) <= 0.02 * eps and ref_dtype != torch.float64:
-        # The module adds the machine epsilon of its input dtype (nn.RMSNorm with eps=None): measured in
-        # float64 that is 2.2e-16; the model runs it in its own dtype.
-        eps = torch.finfo(ref_dtype).eps
+    eps = _snap_eps(_measure_eps(probe, n, offset + w, b, kind), module)
+    run_dtype = input_dtype or (getattr(module, scale_name).dtype if scale_name else torch.float32)
     if scale_name is None:
         offset = 0.0  # parameter-free: y = n, recorded as the w convention with no w
         param_shape = (input_shape[-1],)
@@ -334,6 +393,8 @@ def probe_module(module: nn.Module, input_shape: tuple[int, ...], name: str = ""
         cast_order="fp32",
         dtype=str(ref_tensor.dtype).removeprefix("torch.") if ref_tensor is not None else "none",
     )
+    site.eps = _run_dtype_eps(probe, module, site, n, run_dtype)
     site.compute_dtype = _compute_dtype(probe, site, shape, gen)
-    site.cast_order = _cast_order(probe, site, shape, gen)  # last: it turns the probe copy to bfloat16
+    low = _in_dtypes(probe, module) if run_dtype in (torch.bfloat16, torch.float16) else None
+    site.cast_order = _cast_order(probe, site, shape, gen, low, run_dtype)  # last: it may turn probe to bf16
     return site

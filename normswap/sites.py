@@ -69,6 +69,8 @@ class NormSite:
         consumers: the linear ops that read this norm's output.
         foldable: whether the affine parameters can be folded into ``consumers`` exactly.
         folded: whether convert folded them (the norm then holds its identity parameters).
+        scale_folded: whether only the scale was folded and the norm kept (a multiple of) its bias (a rotated
+            LayerNorm model whose head has no bias to absorb it: the bias is kept on the norm and rotated).
         reached: False for a norm the trace never ran (a VLM's vision tower on a text-only trace), found by
             probing each idle module on an input shaped like its parameters; it is swapped, never folded.
         swappable: False for a module that is not a plain norm although it probes as one on its own (called
@@ -102,6 +104,7 @@ class NormSite:
     consumers: list[Consumer] = field(default_factory=list)
     foldable: bool = False
     folded: bool = False
+    scale_folded: bool = False
     reached: bool = True
     swappable: bool = True
     swapped: bool = False

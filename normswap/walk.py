@@ -143,6 +143,7 @@ class SourceCall:
     module: str
     input_shape: tuple[int, ...]
     uses: list[Use] = field(default_factory=list)
+    input_dtype: torch.dtype | None = None  # the probe measures eps and cast order in it
     extra: str | None = None  # the other inputs of a call that was not a one-input call, described
     feature: int | None = None  # the axis followed: None for a norm candidate (the last), else a channel axis
     producers: list[_Produced | None] = field(default_factory=list)  # per call: what made its input
@@ -275,7 +276,7 @@ class _Tracer(TorchFunctionMode):
             return
         if not x.is_floating_point() or output.shape != x.shape or x.ndim < 1:
             return
-        indices = self._sources(module, tuple(x.shape))
+        indices = self._sources(module, tuple(x.shape), x.dtype)
         if not indices:
             return
         produced = self.produced.get(id(x))
@@ -294,7 +295,7 @@ class _Tracer(TorchFunctionMode):
             tag = _Tag(index, dimmap.identity(output.ndim), output.ndim, self.calls[index].feature)
             self._tag(output, tag)
 
-    def _sources(self, module: nn.Module, shape: tuple[int, ...]) -> list[int]:
+    def _sources(self, module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype) -> list[int]:
         """The sources (indices into ``calls``) a call of ``module`` on an input of ``shape`` feeds: one for
         a norm candidate (its last axis followed), one per other axis it might act on per channel
         (``normswap.affine.channel_axes``); the probe later keeps the one that is what the module does."""
@@ -304,7 +305,7 @@ class _Tracer(TorchFunctionMode):
             index = self.call_of.get(id(module))
             if index is None:
                 index = self.call_of[id(module)] = len(self.calls)
-                self.calls.append(SourceCall(self.names[id(module)], shape))
+                self.calls.append(SourceCall(self.names[id(module)], shape, input_dtype=dtype))
                 self.module_of_call.append(module)
             indices.append(index)
         for axis in channel_axes(module, shape):
@@ -313,7 +314,7 @@ class _Tracer(TorchFunctionMode):
             index = self.affine_of.get((id(module), axis))
             if index is None:
                 index = self.affine_of[(id(module), axis)] = len(self.calls)
-                self.calls.append(SourceCall(self.names[id(module)], shape, feature=axis))
+                self.calls.append(SourceCall(self.names[id(module)], shape, input_dtype=dtype, feature=axis))
                 self.module_of_call.append(module)
             indices.append(index)
         return indices
@@ -774,9 +775,11 @@ def run_example(model: nn.Module, inputs: Inputs = None):
             m.training = mode
 
 
-def trace_example(model: nn.Module, inputs: Inputs = None) -> ExampleInputs:
+def trace_example(model: nn.Module, inputs: Inputs = None, hidden_states: bool = False) -> ExampleInputs:
     """The traced forward's inputs: ``example_inputs``, plus ``logits_to_keep=1`` where the forward names
-    that argument (not for explicit ``ExampleInputs``, which are used exactly as given).
+    that argument (not for explicit ``ExampleInputs``, which are used exactly as given), plus
+    ``output_hidden_states=True`` where the forward takes it when ``hidden_states`` is set (then every norm
+    whose output the model returns as a hidden state is seen as returned, and is not folded).
 
     The head then maps one position, not all: the trace follows the same ops (the final norm's output is
     sliced along the positions, ``__getitem__``, then read by the head's linear map), and the head's
@@ -784,15 +787,17 @@ def trace_example(model: nn.Module, inputs: Inputs = None) -> ExampleInputs:
     262144 entries), are not computed. Only the trace does this; ``run_example`` keeps every position.
     """
     example = example_inputs(model, inputs)
+    if hidden_states and _accepts(model, "output_hidden_states"):
+        example = ExampleInputs(example.args, {**example.kwargs, "output_hidden_states": True})
     if isinstance(inputs, ExampleInputs) or "logits_to_keep" not in _named_arguments(model):
         return example
     return ExampleInputs(example.args, {**example.kwargs, "logits_to_keep": 1})
 
 
-def trace(model: nn.Module, inputs: Inputs = None) -> tuple[_Tracer, object]:
+def trace(model: nn.Module, inputs: Inputs = None, hidden_states: bool = False) -> tuple[_Tracer, object]:
     """Run one forward of ``model`` under the tracer (on ``trace_example``) and return it with the model's
     output."""
-    example = trace_example(model, inputs)
+    example = trace_example(model, inputs, hidden_states)
     tracer = _Tracer(model)
     modes = {m: m.training for m in model.modules()}
     for m in modes:
@@ -825,14 +830,20 @@ def _accepts(model: nn.Module, keyword: str) -> bool:
     return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+accepts = _accepts  # public name for the check, which passes output_hidden_states where a forward takes it
+
+
 @exact_float32()
-def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
+def walk(model: nn.Module, inputs: Inputs = None, keep_hidden_states: bool = False) -> Walk:
     """Find the norms of ``model`` and what consumes each one's output.
 
     Args:
         model: any ``nn.Module``; left exactly as it was (parameters, modes, hooks).
         inputs: the trace's inputs: ``(batch, seq)`` int64 ``input_ids`` (a tensor), ``ExampleInputs`` for
             a forward that takes other arguments, or None for 2 x 16 random ids (fixed seed).
+        keep_hidden_states: trace with ``output_hidden_states=True`` (where the forward takes it): a norm
+            whose output is returned as a hidden state (the final norm) is then not foldable ("output is
+            returned as a model output"), so the converted model's hidden states stay the original's.
 
     Returns:
         A ``Walk`` with one ``NormSite`` per norm module, in the order the forward first called them.
@@ -842,7 +853,7 @@ def walk(model: nn.Module, inputs: Inputs = None) -> Walk:
         NormswapError: parameters offloaded by accelerate (``normswap.device.refuse_offloaded``).
     """
     refuse_offloaded(model)
-    tracer, output = trace(model, inputs)
+    tracer, output = trace(model, inputs, keep_hidden_states)
     flat, _ = tree_flatten(output if not hasattr(output, "to_tuple") else output.to_tuple())
     for t in flat:
         if isinstance(t, torch.Tensor) and id(t) in tracer.tags:
@@ -911,7 +922,7 @@ def _sites(tracer: _Tracer, failures: dict[str, str]) -> list[NormSite]:
     for call, module in zip(tracer.calls, tracer.module_of_call, strict=True):
         if call.feature is None:  # a norm candidate
             try:
-                site = probe_module(module, call.input_shape, call.module)
+                site = probe_module(module, call.input_shape, call.module, call.input_dtype)
             except ProbeError as error:
                 if call.module not in failures:
                     log.warning("%s: probing failed (%s); not treated as a norm", call.module, error)

@@ -451,7 +451,9 @@ class ZooResult:
     """One coverage row: what ``convert`` did on a zoo model and how close its outputs stayed.
 
     ``max_abs_diff`` is the float32 max abs difference of the outputs against the unconverted deepcopy on
-    ``example_inputs(model)``; ``top1`` the fraction of positions whose argmax agrees.
+    ``example_inputs(model)``; ``top1`` the fraction of positions whose argmax agrees. ``contract`` is the
+    check's verdict per returned output (``normswap.check.contract``) on those inputs, ``contract_failures``
+    the outputs that changed with no conversion step to explain it.
     """
 
     name: str
@@ -466,6 +468,9 @@ class ZooResult:
     sites: list = field(default_factory=list, repr=False)
     module_names: set[str] = field(default_factory=set, repr=False)
     rotation: Rotated | None = None
+    contract: list[dict] = field(default_factory=list, repr=False)
+    contract_failures: list[str] = field(default_factory=list)
+    models: tuple | None = field(default=None, repr=False)  # (original, converted) when run_entry(keep=True)
 
     @property
     def passed(self) -> bool:
@@ -476,6 +481,7 @@ class ZooResult:
             and self.found > 0
             and self.swapped == sum(s.swappable for s in self.sites)  # all but norms left in place
             and (self.rotation is None or self.rotation.passed)
+            and not self.contract_failures
         )
 
 
@@ -548,11 +554,15 @@ def run_rotation(reference: nn.Module, ids: torch.Tensor, before: torch.Tensor) 
 
 
 @exact_float32()
-def run_entry(entry: ZooEntry, device: str | torch.device = "cpu", rotate: bool = True) -> ZooResult:
+def run_entry(
+    entry: ZooEntry, device: str | torch.device = "cpu", rotate: bool = True, keep: bool = False
+) -> ZooResult:
     """Build ``entry``'s tiny model (on the CPU, then moved to ``device``), convert it in place, compare with
-    the unconverted copy; with ``rotate``, also ``run_rotation`` on another copy; float32 throughout, TF32
-    off."""
-    from normswap.convert import convert
+    the unconverted copy (logits, and every returned output through the check's contract); with ``rotate``,
+    also ``run_rotation`` on another copy; float32 throughout, TF32 off. ``keep``: the result holds
+    ``(original, converted)`` in ``models``."""
+    from normswap.check import compare, reference_outputs
+    from normswap.convert import convert, stream_transform
 
     result = ZooResult(entry.name, entry.model_type)
     try:
@@ -562,8 +572,10 @@ def run_entry(entry: ZooEntry, device: str | torch.device = "cpu", rotate: bool 
         before = model_outputs(reference, ids)
         if rotate:
             result.rotation = run_rotation(reference, ids, before)
+        recorded = reference_outputs(model, ids)
         report = convert(model)
         after = model_outputs(model, ids)
+        checked = compare(recorded, model, ids, sites=report.sites, transform=stream_transform(report))
     except Exception as error:  # noqa: BLE001 - a row records the failure instead of stopping the table
         result.error = _error_line(error)
         return result
@@ -577,6 +589,9 @@ def run_entry(entry: ZooEntry, device: str | torch.device = "cpu", rotate: bool 
     result.swapped_only = [(s.name, s.reason or "") for s in report.sites if not s.folded]
     result.max_abs_diff = (before - after).abs().max().item()
     result.top1 = (before.argmax(-1) == after.argmax(-1)).double().mean().item()
+    result.contract = checked.contract
+    result.models = (reference, model) if keep else None
+    result.contract_failures = [f for f in checked.failures if "no conversion step explains it" in f]
     return result
 
 

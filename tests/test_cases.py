@@ -49,10 +49,12 @@ def test_c1_gemma_folds_one_plus_w():
     torch.testing.assert_close(
         model.model.layers[0].mlp.up_proj.weight.double(), up_before * (1 + w2), rtol=2e-7, atol=0
     )
-    # what stays of each folded Gemma norm is its identity: weight 0 under (1 + w)
+    # what stays of each folded Gemma norm is its identity, weight 0 under (1 + w): held by no tensor, and
+    # what the state dict (the saved checkpoint) holds under the Gemma module's key
+    state = model.state_dict()
     for s in report.sites:
-        assert s.folded
-        assert torch.all(getattr(model.get_submodule(s.name), s.weight) == 0)
+        assert s.folded and model.get_submodule(s.name).identity_weight
+        assert torch.all(state[f"{s.name}.{s.weight}"] == 0)
 
 
 def test_c1_swapped_module_keeps_the_offset():

@@ -167,7 +167,7 @@ def test_unwritable_report_fails_before_any_work(tiny_gguf, tmp_path):
 def test_model_without_norms(tiny_gguf, tmp_path, monkeypatch):
     import normswap.walk
 
-    def no_norms(model, input_ids=None):
+    def no_norms(model, input_ids=None, **options):
         return normswap.walk.Walk(sites=[], param_uses={}, owners={}, untouched=[])
 
     monkeypatch.setattr(normswap.walk, "walk", no_norms)

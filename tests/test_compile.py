@@ -56,7 +56,8 @@ def test_static_cache_decoding_compiles_once(tiny_model, model_type, overrides, 
     converted = tiny_model(model_type, **overrides)
     convert(converted, untie=False)
     fused = [m for m in converted.modules() if isinstance(m, (FusedRMSNorm, FusedLayerNorm))]
-    assert fused and any(not m._identity_weight(m.weight) for m in fused if m.weight_name is not None)
+    kept = [m for m in fused if m.weight_name is not None and not m.identity_weight]  # weights that multiply
+    assert kept and any(m.identity_weight for m in fused)  # and folded norms, weight-free
     for m in fused:
         m.backend = backend
     g = torch.Generator().manual_seed(5)

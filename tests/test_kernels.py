@@ -766,8 +766,9 @@ def test_cuda_backends_match_transformers_module(name, dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Identity weights: after folding most norms hold weight 1 (or 0 with offset 1); the module then drops the
-# weight (1 * v is exact in both cast orders) and ``auto`` runs torch's F.rms_norm.
+# Identity weights: a folded RMSNorm's weight is the identity (1, or 0 with offset 1) by construction; the
+# module built with ``identity_weight=True`` holds no weight and runs the weight-free norm (1 * v is exact in
+# both cast orders). Every other module multiplies by its weight on every call: nothing is cached.
 
 
 def _spy(monkeypatch, name="rms_norm_unchecked"):
@@ -785,109 +786,119 @@ def _spy(monkeypatch, name="rms_norm_unchecked"):
     return seen
 
 
+def _identity_for(module: nn.Module) -> FusedRMSNorm:
+    """The folded (identity-weight) fused module of a transformers Llama/Gemma norm holding its identity."""
+    from normswap.sites import NormSite
+    from normswap.swap import fused_module
+
+    gemma = type(module).__name__.startswith("Gemma")
+    eps = module.eps if gemma else module.variance_epsilon
+    w = module.weight
+    order, dtype = "fp32" if gemma else "llama", str(w.dtype).removeprefix("torch.")
+    site = NormSite(
+        "norm", "rmsnorm", float(gemma), eps, "weight", None, tuple(w.shape), order, dtype, folded=True
+    )
+    fused = fused_module(site, module)
+    assert fused.identity_weight and not list(fused.parameters())
+    return fused
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("model_type", ["llama", "gemma"])
 def test_identity_weight_is_dropped_exactly(monkeypatch, model_type, dtype):
-    """Identity weight (Llama's 1, Gemma's 0): the weight is dropped and the output equals the HF module bit
-    for bit, at decode and prefill sizes; after an in-place edit the weight is used again (and exact)."""
+    """A folded norm (Llama's weight 1, Gemma's 0): no weight is passed and the output equals the HF module
+    bit for bit, at decode and prefill sizes, in every dtype; its state dict holds the identity under the
+    HF module's key, so the HF module loads it."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     d = 256
     hf = (LlamaRMSNorm(d, eps=1e-6) if model_type == "llama" else GemmaRMSNorm(d, eps=1e-6)).to(dtype)
     hf.requires_grad_(False)
-    fused = _fused_for(hf).requires_grad_(False)
+    fused = _identity_for(hf)
     seen = _spy(monkeypatch)
     for shape in ((1, 1, d), (2, 70, d)):  # CPU auto: torch below CPU_TORCH_RMS_MAX, eager above
         x = hidden(shape, dtype)
         assert torch.equal(fused(x), hf(x))
     assert seen == [None, None]
-    with torch.no_grad():  # an in-place edit bumps the version counter: the cached answer is recomputed
-        hf.weight[3] += 0.5
-        fused.weight[3] += 0.5
-    x = hidden((2, 70, d), dtype)
-    assert torch.equal(fused(x), hf(x))
-    assert seen[-1] is fused.weight
-    with torch.no_grad():  # back to the identity
-        fused.weight[3] -= 0.5
-    fused(x)
-    assert seen[-1] is None
+    state = fused.state_dict()
+    assert list(state) == ["weight"] and torch.equal(state["weight"], hf.weight)
+    assert state["weight"].dtype == dtype
+    hf.load_state_dict(state)  # the checkpoint's format: the replaced module's key, the identity
 
 
-def test_identity_cache_follows_the_parameter(monkeypatch):
-    """A new tensor (``.data =``, ``.to()``) changes the pointer; ``load_state_dict`` bumps the version;
-    ``.data`` edits need ``reset_identity_cache``; a weight that needs gradients is always passed."""
+def test_weights_are_used_whatever_the_editing_route(monkeypatch):
+    """A module with a weight multiplies by it on every call, whatever changed it: ``.data`` edits (no
+    version bump), an in-place edit under no_grad, a new tensor, ``load_state_dict``,
+    ``vector_to_parameters``, a fused AdamW step (no version bump either) -- each output equals LlamaRMSNorm
+    holding the same values. A folded (identity) module given a state dict whose weight is not the identity,
+    or assigned a weight, has one from then on."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    fused = FusedRMSNorm(64, 1e-6)
+    def agrees(fused, x):
+        hf = LlamaRMSNorm(64, eps=1e-6)
+        with torch.no_grad():
+            hf.weight.copy_(fused.weight)
+            return torch.equal(fused(x), hf(x))
+
+    fused = FusedRMSNorm(64, 1e-6)  # weight 1: used all the same
     seen = _spy(monkeypatch)
     x = hidden((3, 64), torch.bfloat16)
     w = noise(64, 1.0)
     with torch.no_grad():
         fused(x)
-        fused.weight.data = w.clone()
-        fused(x)
-        fused.load_state_dict({"weight": torch.ones(64)})
-        fused(x)
         fused.weight.data.copy_(w)  # invisible to the version counter
-        fused.reset_identity_cache()
-        y = fused(x)
-    assert seen == [None, fused.weight, None, fused.weight]
-    with torch.inference_mode():  # parameters made here have no version counter: the weight is used
-        made_inside = FusedRMSNorm(64, 1e-6)
-        y_inside = made_inside(x)
-        assert seen[-1] is made_inside.weight
-    assert torch.equal(y_inside, LlamaRMSNorm(64, eps=1e-6)(x))
-    hf = LlamaRMSNorm(64, eps=1e-6)
-    with torch.no_grad():
-        hf.weight.copy_(w)
-    assert torch.equal(y, hf(x))
-
-    one, hf_one = FusedRMSNorm(64, 1e-6), LlamaRMSNorm(64, eps=1e-6)  # training: gradients reach the weight
+        assert agrees(fused, x)
+        fused.weight.mul_(0.5)
+        assert agrees(fused, x)
+        fused.weight.data = w.clone()
+        assert agrees(fused, x)
+        fused.load_state_dict({"weight": torch.ones(64)})
+        assert agrees(fused, x)
+        vector_to_parameters(parameters_to_vector(fused.parameters()) * 3, fused.parameters())
+        assert agrees(fused, x)
+    assert all(t is fused.weight for t in seen)
+    opt = torch.optim.AdamW(fused.parameters(), lr=0.1, fused=True)
     xg = hidden((3, 64), torch.float32)
-    one(xg).square().sum().backward()
-    hf_one(xg).square().sum().backward()
-    assert seen[-1] is one.weight
-    torch.testing.assert_close(one.weight.grad, hf_one.weight.grad, rtol=0, atol=0)
-
-
-def test_identity_cache_never_trusts_another_tensor(monkeypatch):
-    """A key of (version, pointer, dtype, device) can recur for a new tensor that the allocator placed where
-    a freed one was: the cache is kept only for the very tensor it was taken from. Pickling drops it."""
-    import pickle
-
-    fused = FusedRMSNorm(64, 1e-6)
-    seen = _spy(monkeypatch)
-    x = hidden((3, 64), torch.float32)
-    w = noise(64, 1.0)
+    fused(xg).square().sum().backward()
+    opt.step()
     with torch.no_grad():
-        fused(x)  # identity: cached
-        key = fused._identity_key
-        stand_in = nn.Parameter(w.clone())
-        fused._identity_key = (stand_in._version, stand_in.data_ptr(), stand_in.dtype, stand_in.device)
-        fused.weight = stand_in  # same key as the cached one, another tensor
-        y = fused(x)
-    assert key is not None and seen == [None, fused.weight]
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        assert agrees(fused, x)
 
-    hf = LlamaRMSNorm(64, eps=1e-6)
+    folded = _identity_for(LlamaRMSNorm(64, eps=1e-6))
+    folded.load_state_dict({"weight": torch.ones(64)})
+    assert folded.identity_weight  # the identity: stays weight-free
+    folded.load_state_dict({"weight": w})
+    assert not folded.identity_weight and torch.equal(folded.weight, w)
     with torch.no_grad():
-        hf.weight.copy_(w)
-    assert torch.equal(y, hf(x))
-    clone = pickle.loads(pickle.dumps(fused))
-    assert clone._identity_ref is None and torch.equal(clone(x), y)
+        assert agrees(folded, x)
+    other = _identity_for(LlamaRMSNorm(64, eps=1e-6))
+    other.weight = nn.Parameter(w.clone())
+    assert not other.identity_weight
+    with torch.no_grad():
+        assert agrees(other, x)
+    with pytest.raises(AttributeError, match="add_weight"):
+        _identity_for(LlamaRMSNorm(64, eps=1e-6)).weight  # noqa: B018 - loud, never a stale value
+    trainable = _identity_for(LlamaRMSNorm(64, eps=1e-6))
+    p = trainable.add_weight()
+    assert p.requires_grad and list(trainable.parameters()) == [p] and torch.equal(p, torch.ones(64))
 
 
 def test_identity_mixed_dtypes_and_layer_norm(monkeypatch):
-    """Llama order promotes to the weight's dtype also when the weight is dropped (case C3); LayerNorm (fp32
-    order with a bias) never drops its parameters."""
+    """Llama order promotes to the weight's dtype also when the weight is the identity and not stored (case
+    C3), after ``.to()`` too; LayerNorm (fp32 order with a bias) always passes its parameters."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     hf = LlamaRMSNorm(64, eps=1e-6).requires_grad_(False)  # float32 weight 1
-    fused = _fused_for(hf).requires_grad_(False)
+    fused = _identity_for(hf)
     x = hidden((2, 5, 64), torch.bfloat16)
     out = fused(x)
     assert out.dtype == torch.float32 and torch.equal(out, hf(x))
+    fused.to(torch.bfloat16)
+    hf.to(torch.bfloat16)
+    assert fused.state_dict()["weight"].dtype == torch.bfloat16
+    assert torch.equal(fused(x), hf(x)) and fused(x).dtype == torch.bfloat16
 
     seen = _spy(monkeypatch, "layer_norm_unchecked")
     ln = FusedLayerNorm(64, 1e-5).requires_grad_(False)  # identity weight, zero bias
@@ -986,8 +997,7 @@ def test_cuda_triton_configs_and_identity_route(dtype):
         x = hidden((rows, 4096), dtype).cuda()
         for hf in (LlamaRMSNorm(4096, eps=1e-6), GemmaRMSNorm(4096, eps=1e-6)):
             hf = hf.to("cuda", dtype).requires_grad_(False)
-            fused = _fused_for(hf).cuda().requires_grad_(False)
-            assert fused._identity_weight(fused.weight)
+            fused = _identity_for(hf)
             assert_ulp_close(fused(x), hf(x), max_frac=0.001)
 
 

@@ -262,6 +262,7 @@ def test_transform_does_not_depend_on_the_block_size(monkeypatch):
 def test_localization_maps_the_reference_through_q():
     """A correct rotation reports no divergence; a weight changed after the rotation is found at its layer."""
     from normswap.check import compare, reference_outputs
+    from normswap.convert import stream_transform
     from normswap.rotate import rotate_reference
 
     model = _entry("gpt2")
@@ -270,11 +271,14 @@ def test_localization_maps_the_reference_through_q():
     reference = reference_outputs(model, ids, sites=traced.sites)
     report = normswap.convert(model, input_ids=ids, traced=traced, rotate="hadamard", rotate_heads=True)
     assert rotate_reference(reference, report.rotation) > 0
-    result = compare(reference, model, ids)
+    transform = stream_transform(report)
+    result = compare(reference, model, ids, transform=transform)
     assert result.passed and result.divergence is None
+    rotated = [e for e in result.contract if e["relation"] == "rotated"]  # hidden states: h -> h Q
+    assert rotated and all(e["status"] == "changed by design" for e in rotated)
     with torch.no_grad():
         model.transformer.h[1].mlp.c_fc.weight.mul_(1.05)
-    broken = compare(reference, model, ids)
+    broken = compare(reference, model, ids, transform=transform)
     assert not broken.passed and broken.divergence["layer"] == 1
 
 

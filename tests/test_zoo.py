@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import normswap
-from normswap.zoo import TOLERANCE, ZOO, example_ids, model_outputs, run_entry, tiny_model
+from normswap.zoo import TOLERANCE, ZOO, example_ids, example_inputs, model_outputs, run_entry, tiny_model
 
 REQUIRED = {
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
@@ -41,6 +41,12 @@ ROTATION_REFUSED = {
     "bert": "embeddings.LayerNorm adds its output, scaled by its weight, into the stream (a post-norm)",
     **dict.fromkeys(["t5", "switch_transformers"], "encoder.final_layer_norm keeps its weight (output is "),
     "gemma3n_text": "no norm reads a residual stream that starts at an embedding lookup",  # AltUp stacks it
+    "mobilebert": "embeddings.LayerNorm adds its output, scaled by its weight, into the stream (a post-norm)",
+    # speech and vision encoders: their stream starts at a convolution, not at an embedding lookup
+    **dict.fromkeys(
+        ["wav2vec2_conformer", "resnet", "swiftformer"],
+        "no norm reads a residual stream that starts at an embedding lookup",
+    ),
 }
 
 
@@ -63,9 +69,42 @@ def test_zoo_covers_the_required_architectures():
     assert len({e.model_type for e in ZOO}) >= 30
 
 
+# outputs a user reads besides the logits (the contract's), compared over every position
+_HIDDEN = ("hidden_states", "encoder_hidden_states", "decoder_hidden_states", "encoder_last_hidden_state")
+
+
+def _independent_contract(original, converted, inputs) -> dict[str, tuple[float, float]]:
+    """``output_hidden_states`` of both models on ``inputs`` (token ids, or ``ExampleInputs``: a waveform, an
+    image), compared here without normswap.check: output name -> (relative error, relative error against
+    the original centered over its last axis)."""
+    if isinstance(inputs, torch.Tensor):
+        args, kwargs = (), {"input_ids": inputs, "use_cache": False}
+        if getattr(original.config, "is_encoder_decoder", False):
+            kwargs["decoder_input_ids"] = inputs
+    else:
+        args, kwargs = inputs.args, dict(inputs.kwargs)
+    kwargs["output_hidden_states"] = True
+    with torch.no_grad():
+        a, b = original(*args, **kwargs), converted(*args, **kwargs)
+    measured = {}
+    for key in _HIDDEN:
+        x, y = getattr(a, key, None), getattr(b, key, None)
+        pairs = [(key, x, y)] if isinstance(x, torch.Tensor) else [
+            (f"{key}[{i}]", u, v) for i, (u, v) in enumerate(zip(x or (), y or (), strict=True))
+        ]  # fmt: skip
+        for name, u, v in pairs:
+            u, v = u.double(), v.double()
+            centered = u - u.mean(-1, keepdim=True)
+            measured[name] = (
+                ((v - u).norm() / u.norm()).item(),
+                ((v - centered).norm() / centered.norm()).item(),
+            )
+    return measured
+
+
 @pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
 def test_zoo_row(entry):
-    result = run_entry(entry)
+    result = run_entry(entry, keep=True)
     assert result.error is None, result.error
     assert result.found > 0
     assert result.max_abs_diff <= TOLERANCE, f"{entry.name}: max abs diff {result.max_abs_diff:.3g}"
@@ -90,6 +129,23 @@ def test_zoo_row(entry):
         if entry.model_type != "custom":  # plain transformers reload of the save_pretrained copy
             assert rotation.reload_diff <= TOLERANCE, f"reloaded: off by {rotation.reload_diff:.3g}"
     assert result.passed
+    # the contract the report states matches an independent comparison of output_hidden_states
+    original, converted = result.models
+    if not hasattr(original, "config") or original.config.model_type == "custom":
+        return
+    stated = {e["output"]: e for e in result.contract}
+    measured = _independent_contract(original, converted, example_inputs(original))
+    for name, (rel, rel_centered) in measured.items():
+        entry_ = stated.get(name)
+        if entry_ is None:  # the main output (an encoder's last hidden state): judged by the logits metrics
+            assert name == "last_hidden_state" or result.contract[0]["output"] == name, name
+            continue
+        if entry_["status"] == "same":
+            assert rel <= 1e-4, (name, rel)
+        elif entry_.get("relation") == "centered":
+            assert rel_centered <= 1e-4 < rel, (name, rel, rel_centered)
+        else:
+            assert entry_["status"] == "changed by design" and rel > 1e-4, (name, entry_, rel)
 
 
 def test_coverage_table_lists_every_zoo_row():

@@ -42,7 +42,7 @@ def _candidates(x: torch.Tensor, backends: list[str]) -> dict[str, tuple[Callabl
     hf_one = LlamaRMSNorm(d, eps=1e-6).to(dev, dt)
     ln = nn.LayerNorm(d, eps=1e-5).to(dev, dt)
     fused = FusedRMSNorm(d, 1e-6, device=dev, dtype=dt)
-    fused_one = FusedRMSNorm(d, 1e-6, device=dev, dtype=dt)
+    fused_one = FusedRMSNorm(d, 1e-6, device=dev, dtype=dt, identity_weight=True)  # a folded norm
     fused_ln = FusedLayerNorm(d, 1e-5, device=dev, dtype=dt)
     with torch.no_grad():
         for m in (hf, fused, ln, fused_ln):

@@ -86,7 +86,7 @@ def _candidates(x: torch.Tensor, backends: list[str]) -> dict[str, tuple[Callabl
     }
     # Identity weights (most norms of a folded model): the module drops the weight (modules.py).
     one = LlamaRMSNorm(d, eps=1e-6).to(dev, dt)
-    fused_one = FusedRMSNorm(d, 1e-6, device=dev, dtype=dt)
+    fused_one = FusedRMSNorm(d, 1e-6, device=dev, dtype=dt, identity_weight=True)  # a folded norm
     c[HF_ONE] = (lambda: one(x), io, None)
     c["F.rms_norm, no weight"] = (lambda: torch.nn.functional.rms_norm(x, (d,), None, 1e-6), io, HF_ONE)
     c["normswap FusedRMSNorm weight 1 [auto]"] = (lambda: fused_one(x), io, HF_ONE)

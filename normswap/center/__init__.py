@@ -27,7 +27,8 @@ Nothing here reads class or parameter names. The steps, one module each:
 * ``commit``: ``prepare`` allocates every new tensor (``rewrite``: centered weights, rewritten tables)
   without touching the model, then ``commit`` only assigns, so a refusal (``CenteringError``) or an error
   before the commit leaves the model exactly as it was;
-* ``biased``: ``BiasedRMSNorm``, for a norm whose bias no consumer can take.
+* ``biased``: ``BiasedRMSNorm``, for a norm whose bias no consumer can take;
+* ``inputs``: what the centered model expects as ``inputs_embeds`` (``centering.json``), and ``apply``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch import nn
 from normswap.center.biased import BiasedRMSNorm
 from normswap.center.commit import commit, prepare
 from normswap.center.errors import CenteringError
+from normswap.center.inputs import describe
 from normswap.center.plan import CenterResult, plan_centering
 from normswap.device import exact_float32
 from normswap.walk import Walk
@@ -79,5 +81,7 @@ def center(
     """
     plan = plan_centering(model, walk, inputs, untie=untie, add_biases=add_biases)
     if plan.result.note is None:
-        commit(model, walk, plan, prepare(model, plan))
+        actions = prepare(model, plan)
+        plan.result.inputs = describe(model, plan)  # before the commit: the embedding norm's own parameters
+        commit(model, walk, plan, actions)
     return plan.result

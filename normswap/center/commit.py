@@ -60,6 +60,7 @@ def prepare(model: nn.Module, plan: Plan) -> list[Action]:
         if site.bias:
             actions.append(("copy", getattr(norm, site.bias), torch.zeros_like(getattr(norm, site.bias))))
         plan.result.tables[i] += f" (constant scale {scale:g})"
+        plan.scales[emb] = scale
     return actions
 
 

@@ -44,6 +44,8 @@ class CenterResult:
         biases_added: qualified names of the zero biases added.
         kept_bias: sites that stay RMSNorms with weight and bias (a consumer cannot take the bias).
         note: why nothing was centered, when nothing was.
+        inputs: what the centered model expects as ``inputs_embeds`` and gives as hidden states
+            (``center.inputs.describe``; written as ``centering.json`` beside a saved model).
     """
 
     sites: list[str] = field(default_factory=list)
@@ -55,6 +57,7 @@ class CenterResult:
     biases_added: list[str] = field(default_factory=list)
     kept_bias: list[str] = field(default_factory=list)
     note: str | None = None
+    inputs: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -71,6 +74,7 @@ class Plan:
     flags: list[Flag]
     resolved: list[NormSite]  # sites that the flags make foldable
     tensors: dict[str, torch.Tensor]  # qualified name -> the Parameter object
+    scales: dict[str, float] = field(default_factory=dict)  # rewritten table -> its norm's constant scale
 
 
 def plan_centering(

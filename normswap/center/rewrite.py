@@ -89,11 +89,31 @@ def table_rows(table: torch.Tensor, site: NormSite, norm: nn.Module) -> tuple[to
     scale = 2.0 ** math.ceil(math.log2(2 * math.sqrt(peak))) if w is not None and peak > 0 else 1.0
     out = torch.empty_like(table)
     for s in range(0, table.shape[0], step):
-        u = target(table[s : s + step]) / scale
-        m = u.pow(2).mean(-1, keepdim=True)
-        if eps <= 0 or bool((m >= 1).any()):
-            raise CenteringError(
-                f"cannot rewrite the table read by {site.name}: eps {eps} leaves no exact row"
-            )
-        out[s : s + step] = (u * torch.sqrt(eps / (1 - m))).to(table.dtype)
+        try:
+            out[s : s + step] = rows_for(table[s : s + step], w, b, eps, scale).to(table.dtype)
+        except ValueError as error:
+            raise CenteringError(f"cannot rewrite the table read by {site.name}: {error}") from error
     return out, scale
+
+
+def rows_for(
+    x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float, scale: float
+) -> torch.Tensor:
+    """Rows ``x'`` (float64, ``x``'s shape ``(..., D)``) with ``scale * RMSNorm(x') == C(LN(x) * w + b)``.
+
+    ``LN`` is the LayerNorm of eps ``eps`` (``w``: its effective scale ``offset + weight``, ``b`` its bias,
+    either None when absent); ``C`` removes each row's mean. With ``u = C(LN(x)) / scale`` and
+    ``m = mean(u^2)``, ``x' = u * sqrt(eps / (1 - m))`` (see ``table_rows``).
+
+    Raises:
+        ValueError: eps is 0, or a row has ``m >= 1`` (``scale`` too small for it): no exact row exists.
+    """
+    xd = x.double()
+    n = (xd - xd.mean(-1, keepdim=True)) / torch.sqrt(xd.var(-1, unbiased=False, keepdim=True) + eps)
+    y = n * w if w is not None else n
+    y = y + b if b is not None else y
+    u = (y - y.mean(-1, keepdim=True)) / scale
+    m = u.pow(2).mean(-1, keepdim=True)
+    if eps <= 0 or bool((m >= 1).any()):
+        raise ValueError(f"eps {eps} and scale {scale:g} leave no exact row")
+    return u * torch.sqrt(eps / (1 - m))

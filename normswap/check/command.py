@@ -10,14 +10,18 @@ from normswap.errors import NormswapError
 from normswap.options import OutputPath, device_option, model_name
 
 
+def _manifest(path) -> dict:
+    """A checkpoint's ``normswap.json`` (empty when there is none)."""
+    from normswap.io import MANIFEST, read_manifest
+
+    return read_manifest(path) if (Path(path) / MANIFEST).is_file() else {}
+
+
 def _manifest_sites(path) -> list:
     """NormSite records from a checkpoint's ``normswap.json`` (empty when there is none)."""
-    from normswap.io import MANIFEST, read_manifest
     from normswap.sites import NormSite
 
-    if not (Path(path) / MANIFEST).is_file():
-        return []
-    return [NormSite.from_dict(s) for s in read_manifest(path).get("sites", [])]
+    return [NormSite.from_dict(s) for s in _manifest(path).get("sites", [])]
 
 
 @click.command("check")
@@ -61,9 +65,11 @@ def check_command(
 ):
     """Compare CONVERTED against ORIGINAL (two MODELs, e.g. checkpoint directories) on real text.
 
-    Prints the metrics; exit code 0 when CONVERTED matches within the tolerance for the dtype
-    (docs/CHECKING.md), 1 when it does not (the first diverging norm site is named when CONVERTED has a
-    normswap manifest), 2 on bad input.
+    Prints the metrics and, per output the models return (hidden states included), whether it is the same;
+    exit code 0 when CONVERTED matches within the tolerance for the dtype (docs/CHECKING.md), 1 when it
+    does not (the first diverging norm site is named when CONVERTED has a normswap manifest), 2 on bad
+    input. A CONVERTED whose manifest says it was centered (--norm rmsnorm) is compared like with like: its
+    residual stream against the original's, centered.
     """
     from normswap.check import compare, reference_outputs
     from normswap.check.inputs import (
@@ -75,6 +81,7 @@ def check_command(
         signal_check_inputs,
         text_ids,
     )
+    from normswap.convert import stream_transform
     from normswap.evaluate import load_for_eval, read_text
     from normswap.io import check_output_file, load, quiet_loading, resolve, write_json
     from normswap.progress import Stages
@@ -119,7 +126,8 @@ def check_command(
     names = {name for name, _ in model.named_modules()}
     if sites and not all(site.name in names for site in sites):
         raise NormswapError(f"{converted}: its norm sites are not modules of {original} (different models?)")
-    stages.start("reference", f"running {original} on {count} tokens")
+    on = f"{input_ids.shape[1]} tokens" if signal is None else f"a random {signal[1].get('input', 'input')}"
+    stages.start("reference", f"running {original} on {on}")
     reference = reference_outputs(model, input_ids, sites=sites, greedy_tokens=greedy)
     del model  # lean: one model in memory at a time
     stages.start("load", f"{converted} ({dtype})")
@@ -127,7 +135,12 @@ def check_command(
     stages.start("check", f"running {converted} and comparing")
     try:
         tolerance = None if max_abs is None else {"max_abs": max_abs}
-        result = compare(reference, other, tolerance=tolerance, sites=sites)
+        manifest = _manifest(converted)
+        result = compare(
+            reference, other, tolerance=tolerance, sites=sites,
+            transform=stream_transform(manifest, folder=converted),
+            keep_hidden_states=bool(manifest.get("keep_hidden_states")),
+        )  # fmt: skip
     except (ValueError, KeyError, AttributeError) as error:  # a model of another architecture
         raise NormswapError(f"{converted}: {error}") from error
     stages.stop()

@@ -13,6 +13,7 @@ import torch
 from normswap.device import exact_float32, model_device
 from normswap.errors import NormswapError
 
+from . import contract
 from .localize import Capture, Probe, localize, plan_probes, rel_errors
 from .metrics import (
     LogitSummary,
@@ -45,6 +46,9 @@ class Reference:
             for half precision the records of the float32-upcast run (a dict, or the mapping that
             ``reference_outputs``'s ``records`` made).
         captures_error: half precision: the original's own relative error per record against ``captures``.
+        returned: every other output the forward returns (``output_hidden_states``, the base model's
+            ``last_hidden_state``, encoder outputs), sampled (``contract.record``); float32-upcast for half
+            precision, with ``returned_error`` the original's own relative error per output.
         sites: the ``NormSite`` records or names given.
         greedy: ``(B, N)`` long, the original's greedy continuation, or ``None``.
         peak_rss_mib: process peak resident memory when the reference was done.
@@ -60,6 +64,8 @@ class Reference:
     probes: list[Probe] = field(default_factory=list)
     captures: Mapping[str, torch.Tensor] = field(default_factory=dict)
     captures_error: dict[str, float] | None = None
+    returned: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    returned_error: dict[str, float] | None = None
     sites: list = field(default_factory=list)
     greedy: torch.Tensor | None = None
     peak_rss_mib: float = 0.0
@@ -67,8 +73,8 @@ class Reference:
     @property
     def nbytes(self) -> int:
         """Bytes held in memory by the tensors of this record (captures kept elsewhere not counted)."""
-        captures = self.captures.values() if isinstance(self.captures, dict) else ()
-        total = sum(t.numel() * t.element_size() for t in captures)
+        kept = [m.values() for m in (self.captures, self.returned) if isinstance(m, dict)]
+        total = sum(t.numel() * t.element_size() for values in kept for t in values)
         for part in (self.outputs, self.summary, self.upcast):
             if isinstance(part, torch.Tensor):
                 total += part.numel() * part.element_size()
@@ -86,6 +92,9 @@ class CheckResult:
     ``top1_agreement_margin`` counts top-1 flips at near-ties (original's top-2 margin below twice the
     max-abs tolerance) as agreement, ``top1_flip_max_margin`` is the largest margin at which the top-1
     flipped. Fields that do not apply (KL for an encoder, half-precision details in float32) are ``None``.
+    ``contract`` states, per returned output (the main one first, then every hidden state, the base model's
+    last hidden state, encoder outputs), "same", "changed by design" with the reason, or "changed"
+    (``contract.OutputContract.to_dict()``); ``transform`` is the stream transform allowed by design.
     """
 
     max_abs_logit_diff: float
@@ -112,6 +121,8 @@ class CheckResult:
     divergence: dict | None = None
     peak_rss_mib: float = 0.0
     reference_mib: float = 0.0
+    contract: list[dict] = field(default_factory=list)
+    transform: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -135,6 +146,7 @@ class CheckResult:
             lines.append(f"  perplexity {self.ppl_original:.4f} -> {self.ppl_converted:.4f}")
         if self.greedy_tokens:
             lines.append(f"  greedy agreement {self.greedy_agreement:.2%} of {self.greedy_tokens} tokens")
+        lines += [f"  {line}" for line in contract.lines(self.contract)]
         lines += [f"  failed: {f}" for f in self.failures]
         if self.divergence:
             lines.append(f"  first divergence: {self.divergence['description']}")
@@ -163,31 +175,55 @@ def _targets(inputs) -> torch.Tensor | None:
     return next_token_targets(inputs) if _is_ids(inputs) else None
 
 
-@torch.no_grad()
 def _forward(model: torch.nn.Module, input_ids) -> tuple[str, torch.Tensor]:
-    """One forward; returns (output kind, ``(B*T, V or D)`` output on the CPU).
+    """One forward; returns (output kind, ``(B*T, V or D)`` output on the CPU) (see ``_forward_all``)."""
+    kind, value, _ = _forward_all(model, input_ids)
+    return kind, value
+
+
+@torch.no_grad()
+def _forward_all(
+    model: torch.nn.Module,
+    input_ids,
+    returned: MutableMapping[str, torch.Tensor] | None = None,
+    norms=(),
+) -> tuple[str, torch.Tensor, dict[str, str]]:
+    """One forward; returns (output kind, ``(B*T, V or D)`` output on the CPU, producers).
 
     The inputs are the walk's (``normswap.walk.example_inputs``): ``input_ids``, ``use_cache=False`` where
     the forward takes it, and for an encoder-decoder the same ids as ``decoder_input_ids``; or
-    ``ExampleInputs`` as given (a waveform, an image: the rows are then every position of the output).
+    ``ExampleInputs`` as given (a waveform, an image: the rows are then every position of the output). With
+    ``returned`` (a mapping), the forward also returns its hidden states (``output_hidden_states=True`` where
+    it takes it) and every other output is sampled into ``returned`` (``contract.record``); ``producers``
+    then maps each output that is the output of one of the modules named in ``norms`` to its name.
     """
-    from normswap.walk import example_inputs
+    from normswap.walk import accepts, example_inputs
 
     example = example_inputs(model, input_ids)  # the ids on the model's input device
-    args, kwargs = example.args, example.kwargs
+    args, kwargs = example.args, dict(example.kwargs)
     if not _is_ids(input_ids):  # explicit inputs (a waveform, an image), moved to the model's input device
         from torch.utils._pytree import tree_map
 
         device = _device(model)
         args, kwargs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (args, kwargs))
-    out = model(*args, **kwargs)
+    if returned is not None and accepts(model, "output_hidden_states"):
+        kwargs["output_hidden_states"] = True
+    with contract.Watch(model, norms if returned is not None else ()) as watch:
+        out = model(*args, **kwargs)
     logits = getattr(out, "logits", None)
     kind, value = ("logits", logits) if logits is not None else ("last_hidden_state", None)
     if value is None:
         value = getattr(out, "last_hidden_state", None)
         if value is None:  # a plain tensor is the output itself (indexing it would take batch row 0)
             value = out if isinstance(out, torch.Tensor) else out[0]
-    return kind, value.reshape(-1, value.shape[-1]).cpu()
+    producers: dict[str, str] = {}
+    if returned is not None:
+        outputs = contract.returned_outputs(out, watch.extra)
+        main = next((i for i, (_, t) in enumerate(outputs) if t is value), None)  # judged by the metrics
+        outputs = [o for i, o in enumerate(outputs) if i != main]
+        contract.record(outputs, returned, input_ids)
+        producers = {n: name for n, t in outputs if (name := watch.producer(t)) is not None}
+    return kind, value.reshape(-1, value.shape[-1]).cpu(), producers
 
 
 @contextlib.contextmanager
@@ -289,8 +325,10 @@ def reference_outputs(
     Kept: the outputs (logits ``(B*T, V)`` in the model's dtype, or a :class:`LogitSummary` when they exceed
     ``max_logits_bytes``: top-64 logits, log-sum-exp, tail mass and next-token log-probs per token); for
     bfloat16/float16 models also the float32-upcast model's outputs (see :func:`upcast`) and the original's
-    own error against them; sampled per-site records for localization when ``sites`` is given; the greedy
-    continuation when ``greedy_tokens > 0``.
+    own error against them; every other output the forward returns with ``output_hidden_states=True`` (the
+    hidden states, the base model's last hidden state, encoder outputs), sampled at the localization's
+    positions, for the contract (``normswap.check.contract``); sampled per-site records for localization
+    when ``sites`` is given; the greedy continuation when ``greedy_tokens > 0``.
 
     Args:
         model: the original model (``AutoModelForCausalLM`` with ``.logits`` or an encoder with
@@ -319,19 +357,23 @@ def reference_outputs(
     targets = _targets(input_ids)
     dtype = dtype_name(_model_dtype(model))
     probes = plan_probes(model, sites) if sites else []
+    returned = records() if records else {}
     with Capture(model, probes, input_ids, records and records()) as cap:
-        kind, outputs = _forward(model, input_ids)
+        kind, outputs, _ = _forward_all(model, input_ids, returned)
     if dtype in HALF and not bool(torch.isfinite(outputs).all()):
         _refuse_overflow(model, input_ids, outputs, kind, dtype)
     _refuse_nonfinite(outputs, input_ids, kind, "")
     ref = Reference(input_ids, kind, dtype, *_keep(outputs, targets, kind, max_logits_bytes))
-    ref.probes, ref.captures, ref.sites = probes, cap.records, list(sites or [])
+    ref.probes, ref.captures, ref.sites, ref.returned = probes, cap.records, list(sites or []), returned
     if dtype in HALF:
+        returned32 = records() if records else {}
         with upcast(model), Capture(model, probes, input_ids, records and records()) as cap32:
-            _, up = _forward(model, input_ids)
+            _, up, _ = _forward_all(model, input_ids, returned32)
         _refuse_nonfinite(up, input_ids, kind, " in float32")
         ref.captures_error = rel_errors(cap32.records, ref.captures)
         ref.captures = cap32.records
+        ref.returned_error = rel_errors(returned32, returned)
+        ref.returned = returned32
         ref.original_error = _metrics(kind, up, outputs, targets)
         del outputs
         full, summary = _keep(up, targets, kind, max_logits_bytes)
@@ -351,6 +393,8 @@ def compare(
     *,
     sites=None,
     records: Callable[[], MutableMapping[str, torch.Tensor]] | None = None,
+    transform: contract.StreamTransform | None = None,
+    keep_hidden_states: bool = False,
 ) -> CheckResult:
     """Run the converted model on the reference's input and judge it (see ``policy`` for the rules).
 
@@ -365,9 +409,15 @@ def compare(
             divergence); defaults to the sites given to ``reference_outputs``.
         records: makes the mapping the converted model's localization records go into (as in
             :func:`reference_outputs`).
+        transform: the change the conversion made to the residual stream by design
+            (``contract.centered()`` after ``norm="rmsnorm"``): an output or localization record that
+            equals the transformed original is "changed by design" / matches.
+        keep_hidden_states: every returned output must stay the same (``convert(keep_hidden_states=True)``).
 
     Returns:
-        :class:`CheckResult`; ``divergence`` names the first diverging site when probes were recorded.
+        :class:`CheckResult`; ``divergence`` names the first diverging site when probes were recorded;
+        ``contract`` judges every output the forward returns (``normswap.check.contract``), and an output
+        that changed with no conversion step to explain it fails the check.
 
     Raises:
         ValueError: if ``input_ids`` differs from the reference's, or the converted model's output kind or
@@ -381,8 +431,11 @@ def compare(
     ids = reference.input_ids
     targets = _targets(ids)
     tol = default_tolerance(reference.dtype) | dict(tolerance or {})
+    sites = sites or reference.sites
+    names = [s if isinstance(s, str) else s.name for s in sites or ()]
+    returned = records() if records else {}
     with Capture(converted_model, reference.probes, ids, records and records()) as cap:
-        kind, conv = _forward(converted_model, ids)
+        kind, conv, producers = _forward_all(converted_model, ids, returned, names)
     ref_out = reference.outputs if reference.outputs is not None else reference.summary
     rows = ids.numel() if _is_ids(ids) else ref_out.shape[0]
     if kind != reference.output or conv.shape[0] != rows:
@@ -397,6 +450,14 @@ def compare(
             "converted": _metrics(kind, reference.upcast, conv, targets),
         }
     failures = judge(m, tol, half)
+    verdict = contract.CHANGED if failures else contract.SAME
+    main = contract.OutputContract(kind, verdict, m["max_abs"], None, None)
+    entries, broken = contract.judge(
+        reference.returned, returned, rtol=tol["localize_rtol"], own=reference.returned_error,
+        k=tol.get("k", 0.0), transform=transform, producers=producers,
+        sites=[s for s in sites or () if not isinstance(s, str)], keep_hidden_states=keep_hidden_states,
+    )  # fmt: skip
+    failures += broken
     divergence = None
     if reference.probes:
         divergence = localize(
@@ -404,9 +465,10 @@ def compare(
             reference.captures,
             cap.records,
             tol["localize_rtol"],
-            sites or reference.sites,
+            sites,
             own=reference.captures_error,
             k=tol.get("k", 0.0),
+            transform=transform,
         )
     greedy = None
     if reference.greedy is not None:
@@ -439,6 +501,8 @@ def compare(
         divergence=divergence,
         peak_rss_mib=peak_rss_mib(),
         reference_mib=reference.nbytes / 2**20,
+        contract=[e.to_dict() for e in [main, *entries]],
+        transform=transform.to_dict() if transform is not None else None,
     )
 
 
@@ -459,3 +523,46 @@ def check(
     """
     ref = reference_outputs(original, input_ids, sites=sites, greedy_tokens=greedy_tokens)
     return compare(ref, converted, input_ids, tolerance, sites=sites)
+
+
+@exact_float32()
+@torch.no_grad()
+def compare_inputs_embeds(
+    reference: Reference, converted_model: torch.nn.Module, inputs_embeds: torch.Tensor, tolerance=None
+) -> dict[str, Any]:
+    """Run the converted model on ``inputs_embeds`` (instead of the reference's ids) and judge its outputs
+    against the reference's, with the check's tolerance policy.
+
+    Proves an ``inputs_embeds`` transform (``normswap.center.inputs``): give the transformed embeddings of
+    the reference's ids in the original model.
+
+    Args:
+        reference: from :func:`reference_outputs`.
+        converted_model: the converted model (a forward that takes ``inputs_embeds``).
+        inputs_embeds: ``(B, T, D)`` for the reference's ``(B, T)`` ids.
+        tolerance: overrides of the dtype's default tolerance, as in :func:`compare`.
+
+    Returns:
+        ``{"max_abs_diff", "passed", "failures"}``.
+    """
+    from normswap.walk import accepts
+
+    ids = reference.input_ids
+    targets = next_token_targets(ids)
+    tol = default_tolerance(reference.dtype) | dict(tolerance or {})
+    kwargs = {"inputs_embeds": inputs_embeds.to(model_device(converted_model))}
+    if accepts(converted_model, "use_cache"):
+        kwargs["use_cache"] = False
+    out = converted_model(**kwargs)
+    value = getattr(out, "logits", None)
+    if value is None:
+        value = getattr(out, "last_hidden_state", None)
+    conv = value.reshape(-1, value.shape[-1]).cpu()
+    ref_out = reference.outputs if reference.outputs is not None else reference.summary
+    m = _metrics(reference.output, ref_out, conv, targets)
+    half = None
+    if reference.dtype in HALF:
+        half = {"original": reference.original_error,
+                "converted": _metrics(reference.output, reference.upcast, conv, targets)}  # fmt: skip
+    failures = judge(m, tol, half)
+    return {"max_abs_diff": m["max_abs"], "passed": not failures, "failures": failures}

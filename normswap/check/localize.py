@@ -185,6 +185,7 @@ def localize(
     sites=(),
     own: dict[str, float] | None = None,
     k: float = 0.0,
+    transform=None,
 ) -> dict | None:
     """First probe point, in the reference's execution order, whose relative error exceeds its threshold.
 
@@ -196,6 +197,10 @@ def localize(
         sites: ``NormSite`` records (or names) used to describe the site: consumers and what was done.
         own, k: half precision: the original's own relative error per record against the upcast reference;
             the threshold at a point is then ``k * own[point] + rtol`` (the logits policy, per point).
+        transform: the conversion's change of the residual stream by design (``contract.StreamTransform``,
+            e.g. centering): a norm's input or output, or a layer's output, also matches when it equals the
+            transformed original (like with like); the inputs of ``transform.rewritten_inputs`` are not
+            compared. Consumer outputs never take it.
 
     Returns:
         ``None`` when every point matches, else a dict: ``site``, ``layer``, ``point`` (``"module:where"``),
@@ -212,6 +217,12 @@ def localize(
         where = rest.split("#", 1)[0]
         probe = by_key.get((module, where))
         threshold = rtol + (k * own.get(key, 0.0) if own else 0.0)
+        stream = probe is not None and probe.role in ("norm input", "norm output", "layer output")
+        if transform is not None and stream and rel > threshold:
+            if probe.role == "norm input" and probe.site in transform.rewritten_inputs:
+                rel = 0.0  # rewritten by design (a table the norm reads); its output is compared
+            elif key in conv and conv[key].shape == ref[key].shape:
+                rel = min(rel, rel_errors({key: transform.apply(ref[key])}, {key: conv[key]})[key])
         if rel <= threshold:
             last_match = key
             suspect = probe.site if probe and probe.site else suspect

@@ -234,6 +234,7 @@ def save_converted(
     expected=None,
     trust_remote_code: bool = False,
     extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write ``model`` (converted in place), its tokenizer and the report to ``out_dir``, atomically.
 
@@ -264,6 +265,7 @@ def save_converted(
         extra_tensors: more safetensors files to write with the checkpoint, as ``{relative path: {name:
             tensor}}`` (a rotation's matrices, ``normswap.rotate.ROTATION_FILE``); a path in a subfolder
             keeps loaders that read every top-level ``*.safetensors`` as weights from reading them.
+        extra_files: more files to write beside the checkpoint, relative path -> text (``centering.json``).
 
     Returns:
         the absolute output directory.
@@ -279,7 +281,9 @@ def save_converted(
     model, manifest = plain_manifest(model, report)  # a PEFT model: a merged copy, freed on return
     inputs = _api_inputs(model, manifest, input_path)
     with Staging(out, overwrite=overwrite) as stage:
-        carried = _write_staged(stage, model, tokenizer, manifest, inputs, str(input_path), extra_tensors)
+        carried = _write_staged(
+            stage, model, tokenizer, manifest, inputs, str(input_path), extra_tensors, extra_files
+        )
         if expected is not None:
             from normswap.io.verify import verify_saved
 
@@ -331,11 +335,12 @@ def _api_inputs(model: torch.nn.Module, manifest: dict, input_path):
 
 
 def _write_staged(stage: Staging, model, tokenizer, manifest: dict, inputs, source: str,
-                  extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> dict:  # fmt: skip
+                  extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
+                  extra_files: dict[str, str] | None = None) -> dict:  # fmt: skip
     """Write the checkpoint into ``stage.path``: the model (in the input's shard size), the tensors the model
-    class does not run and the other files of the input (``inputs``), ``extra_tensors`` (see
-    ``save_converted``), the manifest; every input tensor must have reached it. Returns the carried tensors'
-    fingerprints (for the verification)."""
+    class does not run and the other files of the input (``inputs``), ``extra_tensors`` and ``extra_files``
+    (see ``save_converted``), the manifest; every input tensor must have reached it. Returns the carried
+    tensors' fingerprints (for the verification)."""
     from safetensors.torch import save_file
 
     from normswap.io import carry
@@ -348,6 +353,9 @@ def _write_staged(stage: Staging, model, tokenizer, manifest: dict, inputs, sour
             (stage.path / relative).parent.mkdir(parents=True, exist_ok=True)
             cpu = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
             save_file(cpu, str(stage.path / relative))
+        for relative, text in (extra_files or {}).items():
+            (stage.path / relative).parent.mkdir(parents=True, exist_ok=True)
+            files.write_text(stage.path / relative, text)
         carry.copy_files(inputs, stage.path)
     if inputs:  # what was copied is known only now (a file the output already held is not copied)
         manifest["carried"] = inputs.to_dict()
@@ -369,6 +377,7 @@ def save_and_verify(
     trust_remote_code: bool = False,
     stages=None,
     extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
+    extra_files: dict[str, str] | None = None,
     check_extra=None,
 ):
     """What ``normswap convert`` does after the check: write, verify, and only then replace ``out_dir``.
@@ -395,7 +404,7 @@ def save_and_verify(
         trust_remote_code: passed to the fresh load.
         stages: a ``normswap.progress.Stages`` that times the stages ``save`` and ``verify`` (their seconds
             go into ``report["timings"]`` and ``normswap.json``); a fresh one when ``None``.
-        extra_tensors: more safetensors files written with the checkpoint (see ``save_converted``).
+        extra_tensors, extra_files: more files written with the checkpoint (see ``save_converted``).
         check_extra: ``folder -> list of failures``, run on the written folder with the verification (the
             rotation's saved ``Q`` against the one applied); a failure fails the verification.
 
@@ -418,7 +427,7 @@ def save_and_verify(
     with Staging(out, overwrite=overwrite) as stage:
         stages.start("save", str(out))
         expected.carried = _write_staged(
-            stage, loaded.model, loaded.tokenizer, report, inputs, str(input_path), extra_tensors
+            stage, loaded.model, loaded.tokenizer, report, inputs, str(input_path), extra_tensors, extra_files
         )
         loaded.model = None  # the fresh load below then needs one model's memory, not two
         stages.start("verify", f"{out} by a fresh load")
@@ -469,6 +478,7 @@ def load_pretrained(
     *,
     dtype: str | torch.dtype | None = None,
     trust_remote_code: bool = False,
+    trainable_norm_weights: bool = False,
     **kwargs,
 ) -> torch.nn.Module:
     """Load a checkpoint written by ``normswap convert`` with its fused norm modules in place.
@@ -476,12 +486,15 @@ def load_pretrained(
     The weights load with plain transformers (the Auto class of ``normswap.io.load.auto_class_name``:
     the model's own head); then every site the manifest marks ``swapped`` is rebuilt with
     ``NormSite.from_dict`` and ``normswap.swap.swap_norms`` installs the fused modules under the same
-    module names.
+    module names. A folded RMSNorm whose checkpoint weight is the identity holds no weight (its scale is
+    in the layers that read it; ``normswap.kernels.modules``): it is not among ``model.parameters()``.
 
     Args:
         path: the checkpoint directory.
         dtype: dtype to load in (default: the dtype the checkpoint was saved in).
         trust_remote_code: allow transformers to run Python code shipped with the model.
+        trainable_norm_weights: give every folded RMSNorm its identity weight as a trainable Parameter,
+            as plain transformers loads it (one more multiply per norm call), to fine-tune norm weights.
         **kwargs: passed on to ``from_pretrained``.
 
     Returns:
@@ -506,5 +519,5 @@ def load_pretrained(
         kwargs.setdefault("dtype", "auto")
     model = load_weights(auto, resolved, config=config, trust_remote_code=trust_remote_code, **kwargs)
     sites = [NormSite.from_dict(site) for site in manifest.get("sites", []) if site.get("swapped")]
-    swap_norms(model, sites)
+    swap_norms(model, sites, identity_weights=not trainable_norm_weights)
     return model.eval()

@@ -2,18 +2,25 @@
 
 Each keeps the parameter names of the module it replaces (``weight_name``/``bias_name``), so state-dict
 keys do not change, and reproduces its cast order and output dtype (see ``reference.py``).
+
+A folded RMSNorm (its scale multiplied into its consumers) is built with ``identity_weight=True``: its
+weight is the identity by construction, so the module holds no weight tensor and runs the weight-free norm
+(one rounding of ``x * rsqrt(mean(x**2) + eps)``, which ``1 * v`` leaves exact in both cast orders). This is
+a fact about the module's structure, decided when it is built, never a cached answer about a tensor's
+values: nothing an optimizer, a ``.data`` edit or ``load_state_dict`` does can make it stale. The state
+dict still carries ``weight_name`` (the identity), so a checkpoint keeps the replaced module's keys and
+loads in plain transformers; loading a state dict whose value there is not the identity gives the module
+a real weight again (``_load_from_state_dict``), and ``add_weight()`` gives it a trainable one.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from normswap.kernels import ops
-from normswap.kernels.reference import CAST_ORDERS, prepare_params
+from normswap.kernels.reference import CAST_ORDERS
 
 _NATIVE_LN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -33,6 +40,7 @@ class _FusedNorm(nn.Module):
         dtype=None,
         backend: str | None = None,
         compute_dtype: str | None = None,
+        identity_weight: bool = False,
     ) -> None:
         super().__init__()
         shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
@@ -42,6 +50,8 @@ class _FusedNorm(nn.Module):
             raise ValueError(f"cast_order must be one of {CAST_ORDERS}, got {cast_order!r}")
         if weight_name is None and offset != 0.0:
             raise ValueError(f"offset={offset} needs a weight; a parameter-free norm has offset 0")
+        if identity_weight and (weight_name is None or bias_name is not None):
+            raise ValueError("identity_weight=True needs a weight_name and no bias (a folded RMSNorm)")
         if backend is not None:
             ops.resolve_backend(backend)
         if compute_dtype not in (None, "float32"):
@@ -55,20 +65,22 @@ class _FusedNorm(nn.Module):
         self.bias_name = bias_name
         self.backend = backend
         self.compute_dtype = compute_dtype
+        # The dtype and device the identity weight would have (its state-dict entry, llama order's output
+        # dtype); kept in step with .to()/.half()/.cuda() by _apply.
+        self._identity_dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self._identity_device = torch.device(device) if device is not None else torch.get_default_device()
+        self.identity_weight = bool(identity_weight)
         factory = {"device": device, "dtype": dtype}
-        if weight_name is not None:
+        if weight_name is not None and not identity_weight:
             self.register_parameter(weight_name, nn.Parameter(torch.empty(shape, **factory)))
         if bias_name is not None:
             self.register_parameter(bias_name, nn.Parameter(torch.empty(shape, **factory)))
-        self._identity_key: tuple | None = None  # see _identity_weight
-        self._identity_ref = None  # weak reference to the tensor the key was taken from
-        self._identity = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Identity parameters: weight ``1 - offset`` (so ``offset + w == 1``), bias 0."""
         with torch.no_grad():
-            if self.weight_name is not None:
+            if self.weight_name is not None and not self.identity_weight:
                 getattr(self, self.weight_name).fill_(1.0 - self.offset)
             if self.bias_name is not None:
                 getattr(self, self.bias_name).zero_()
@@ -78,38 +90,93 @@ class _FusedNorm(nn.Module):
         b = getattr(self, self.bias_name) if self.bias_name is not None else None
         return w, b
 
-    def _identity_weight(self, w: torch.Tensor) -> bool:
-        """Whether ``offset + w`` is exactly 1 everywhere (in the dtype the cast order multiplies in), so
-        the norm may drop its weight: ``1 * v`` is exact in both cast orders.
+    # -- the identity weight: structure, not a cached answer ------------------------------------------------
+    def identity_tensor(self) -> torch.Tensor:
+        """A new tensor holding the identity weight ``1 - offset``: ``shape``, in the dtype and on the device
+        the module's weight would have. What ``state_dict()`` holds under ``weight_name`` when
+        ``identity_weight`` is True."""
+        value = 1.0 - self.offset
+        return torch.full(self.shape, value, dtype=self._identity_dtype, device=self._identity_device)
 
-        Decided once per state of the weight and cached under ``(w._version, w.data_ptr(), dtype,
-        device)``: every in-place edit (an optimizer step, ``load_state_dict``, ``fill_`` under no_grad)
-        bumps the version counter and ``.to()``/``module.weight = ...`` change the pointer, so the answer
-        is recomputed (one reduction and, on CUDA, one synchronization) after a change and costs one tuple
-        comparison otherwise. Edits through ``weight.data`` bypass the version counter: after those, call
-        ``reset_identity_cache()``. Inference tensors (parameters made under ``torch.inference_mode``) have
-        no version counter: for them the answer is always False (the weight is used). The key is only
-        trusted for the very tensor it was taken from (a weak reference): a new parameter that the allocator
-        placed where a freed one was, with the same version 0, is decided afresh.
+    def add_weight(self) -> nn.Parameter:
+        """Give a module built with ``identity_weight=True`` its identity weight as a trainable Parameter.
+
+        Afterwards the module multiplies by that weight on every call (one more op per call), so
+        fine-tuning, optimizers and in-place edits reach it as they would reach the replaced module's.
+        Returns the Parameter (the existing weight if the module already has one).
+
+        Raises:
+            AttributeError: the module has no weight at all (a parameter-free norm).
         """
-        if w.is_inference():
-            return False
-        key = (w._version, w.data_ptr(), w.dtype, w.device)
-        if key != self._identity_key or self._identity_ref is None or self._identity_ref() is not w:
-            eff, _ = prepare_params(w, None, self.offset, self.cast_order)
-            with torch.no_grad():
-                self._identity = bool((eff == 1).all())
-            self._identity_key, self._identity_ref = key, weakref.ref(w)
-        return self._identity
+        if self.weight_name is None:
+            raise AttributeError(f"{type(self).__name__} is parameter-free: it has no weight to add")
+        if self.identity_weight:
+            setattr(self, self.weight_name, nn.Parameter(self.identity_tensor()))
+        return getattr(self, self.weight_name)
 
-    def __getstate__(self):  # pickle / deepcopy: a weak reference cannot be pickled; the copy decides afresh
-        state = self.__dict__.copy()
-        state["_identity_key"] = state["_identity_ref"] = None
-        return state
+    def _leave_identity(self, name: str) -> None:
+        if name == self.__dict__.get("weight_name") and self.__dict__.get("identity_weight"):
+            self.__dict__["identity_weight"] = False
 
-    def reset_identity_cache(self) -> None:
-        """Forget whether the weight is the identity (needed only after edits through ``weight.data``)."""
-        self._identity_key = self._identity_ref = None
+    def __setattr__(self, name: str, value) -> None:
+        self._leave_identity(name)  # module.weight = ...: the module has a weight from now on
+        super().__setattr__(name, value)
+
+    def register_parameter(self, name: str, param) -> None:
+        self._leave_identity(name)
+        super().register_parameter(name, param)
+
+    def register_buffer(self, name: str, tensor, persistent: bool = True) -> None:
+        self._leave_identity(name)
+        super().register_buffer(name, tensor, persistent)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            d = self.__dict__
+            if d.get("identity_weight") and name == d.get("weight_name"):
+                raise AttributeError(
+                    f"{type(self).__name__}.{name}: this folded norm holds no weight (its scale was "
+                    "multiplied into the layers that read it; the identity is what its state dict stores); "
+                    "call add_weight() to give it a trainable one"
+                ) from None
+            raise
+
+    def _apply(self, fn, recurse: bool = True):
+        if self.identity_weight:
+            moved = fn(torch.empty(0, dtype=self._identity_dtype, device=self._identity_device))
+            self._identity_dtype, self._identity_device = moved.dtype, moved.device
+        return super()._apply(fn, recurse)
+
+    def _save_to_state_dict(self, destination, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.identity_weight:
+            destination[prefix + self.weight_name] = self.identity_tensor()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:  # fmt: skip
+        key = prefix + self.weight_name if self.weight_name is not None else None
+        identity = self.identity_weight
+        if identity and key in state_dict:
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != self.shape:
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, the shape "
+                    f"in current model is {self.shape}."
+                )
+            elif not bool((value == 1.0 - self.offset).all()):  # a weight that is not the identity: keep it
+                self.add_weight()
+                identity = False
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if identity:
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+            if key not in state_dict and strict:
+                missing_keys.append(key)
 
     def _precision(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None):
         """``(x, w, b, back)`` as the op should see them: for a float64 input of a module that computes in
@@ -133,6 +200,8 @@ class _FusedNorm(nn.Module):
             s += f", backend={self.backend!r}"
         if self.compute_dtype is not None:
             s += f", compute_dtype={self.compute_dtype!r}"
+        if self.identity_weight:
+            s += ", identity_weight=True"
         return s
 
 
@@ -152,12 +221,16 @@ class FusedRMSNorm(_FusedNorm):
         backend: force a backend (see ``ops.BACKENDS``); None = ``$NORMSWAP_BACKEND`` or ``"auto"``.
         compute_dtype: ``"float32"`` to normalize float64 inputs in float32 as HF's norms do (their
             ``.to(torch.float32)``), returning float64; ``None`` computes float64 inputs in float64.
+        identity_weight: the weight is the identity by construction (a folded norm): no weight tensor is
+            held and the weight-free norm runs; ``dtype``/``device`` are those the weight would have (the
+            llama order's output dtype, the state dict's entry). See the module docstring.
 
     Forward: ``x`` of shape ``(..., D)`` (trailing dims matching ``shape``) -> same shape; dtype as
     ``rms_norm``.
 
     Raises:
-        ValueError: bad shape, cast order, backend, or an offset without a weight.
+        ValueError: bad shape, cast order, backend, an offset without a weight, or ``identity_weight``
+            without a weight.
     """
 
     kind = "rmsnorm"
@@ -173,31 +246,33 @@ class FusedRMSNorm(_FusedNorm):
         dtype=None,
         backend: str | None = None,
         compute_dtype: str | None = None,
+        identity_weight: bool = False,
     ) -> None:
         super().__init__(
-            shape, eps, offset, cast_order, weight_name, None, device, dtype, backend, compute_dtype
-        )
+            shape, eps, offset, cast_order, weight_name, None, device, dtype, backend, compute_dtype,
+            identity_weight,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.identity_weight:
+            # A folded norm: its weight is the identity by construction (not stored), so the weight-free norm
+            # is the same numbers (1 * v is exact) and runs torch's fused kernel under "auto" (ops._pick).
+            back = None
+            if self.compute_dtype is not None and x.dtype == torch.float64:
+                x, back = x.float(), x.dtype
+            y = ops.rms_norm_unchecked(x, None, self.eps, 0.0, self.cast_order, self.backend)
+            if back is not None:
+                return y.to(back)
+            if self.cast_order == "llama" and self._identity_dtype != y.dtype:  # promotes as w * y would
+                y = y.to(torch.promote_types(y.dtype, self._identity_dtype))
+            return y
         w = self._parameters.get(self.weight_name) if self.weight_name is not None else None
         if w is None and self.weight_name is not None:  # replaced by a plain tensor or buffer
             w = getattr(self, self.weight_name)
         back = None
         if self.compute_dtype is not None and x.dtype == torch.float64:
             x, w, _, back = self._precision(x, w, None)
-        if (
-            w is not None
-            and not (w.requires_grad and torch.is_grad_enabled())  # autograd needs the weight
-            and not torch.compiler.is_compiling()  # the compiler sees the weight (no data-dependent branch)
-            and self._identity_weight(w)
-        ):
-            # Folded models hold weight 1 (or 0 with offset 1) in most norms: the weight-free norm is the
-            # same numbers (1 * v is exact) and runs torch's fused kernel under "auto" (ops._pick).
-            y = ops.rms_norm_unchecked(x, None, self.eps, 0.0, self.cast_order, self.backend)
-            if self.cast_order == "llama" and w.dtype != y.dtype:
-                y = y.to(torch.promote_types(y.dtype, w.dtype))
-        else:
-            y = ops.rms_norm_unchecked(x, w, self.eps, self.offset, self.cast_order, self.backend)
+        y = ops.rms_norm_unchecked(x, w, self.eps, self.offset, self.cast_order, self.backend)
         return y if back is None else y.to(back)
 
 

@@ -273,6 +273,7 @@ def convert_streamed(
     force: bool = False,
     overwrite: bool = False,
     stages=None,
+    keep_hidden_states: bool = False,
 ) -> tuple[dict[str, Any], bool]:
     """Convert ``source`` into ``output`` with bounded memory (see the module docstring).
 
@@ -286,6 +287,8 @@ def convert_streamed(
         stages: a ``normswap.progress.Stages`` that times the stages walk, reference, convert (the plan,
             the untie proof and the shards written with the folds applied), check, save, verify; the
             report's ``timings`` has them (a fresh one when ``None``).
+        keep_hidden_states: as ``normswap.convert``'s: the final norm is not folded, and the check requires
+            every returned hidden state to match.
 
     Returns:
         ``(report dict as normswap.json holds it, whether the check passed)``. When the check passed (or
@@ -321,7 +324,7 @@ def convert_streamed(
     inputs.skipped = streamed.skipped  # tensors the class does not run: every checkpoint tensor is written
     stages.start("walk", "finding the norms and their consumers (streamed)")
     walk_ids = short_inputs(input_ids)
-    traced = _guarded(lambda: walk(streamed.model, walk_ids), source)
+    traced = _guarded(lambda: walk(streamed.model, walk_ids, keep_hidden_states=keep_hidden_states), source)
     if not traced.sites:
         raise NormswapError(f"{source.info.source}: no normalization modules found; nothing to convert")
     already_converted(
@@ -362,6 +365,7 @@ def convert_streamed(
             model=source.info.source, norm="keep", norms_found=len(traced.sites),
             norms_folded=len(folding.sites), norms_swapped=0, sites=traced.sites, untied=untied,
             untie_bytes=folding.untie_bytes, untouched=traced.untouched,
+            keep_hidden_states=keep_hidden_states,
         )  # fmt: skip
         for site in traced.sites:
             if site.foldable and not site.folded:
@@ -374,7 +378,14 @@ def convert_streamed(
             converted = build(config, CheckpointReader(built), source.dtype, trust_remote_code=trusted)
             report.norms_swapped = swap_norms(converted.model, traced.sites)
             checked = _guarded(
-                lambda: compare(reference, converted.model, input_ids, records=records), source
+                lambda: compare(
+                    reference,
+                    converted.model,
+                    input_ids,
+                    records=records,
+                    keep_hidden_states=keep_hidden_states,
+                ),
+                source,
             )
             reference = None
             passed = bool(checked.passed)
