@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from normswap.errors import NormswapError
-from normswap.options import device_option
+from normswap.options import device_option, dtype_option
 
 
 def _manifest_sites(path) -> list:
@@ -31,9 +31,7 @@ def _manifest_sites(path) -> list:
     "max_position_embeddings].",
 )
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False), help="UTF-8 text file.")
-@click.option(
-    "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True
-)
+@dtype_option
 @click.option(
     "--greedy", type=click.IntRange(min=0), default=0, show_default=True, help="New tokens to compare."
 )
@@ -73,7 +71,7 @@ def check_command(
         default_tokens,
         text_ids,
     )
-    from normswap.evaluate import load_for_eval, read_text
+    from normswap.evaluate import load_for_eval, model_dtype_name, read_text
     from normswap.io import check_output_file, load, quiet_loading, resolve, write_json
 
     quiet_loading()
@@ -83,6 +81,7 @@ def check_command(
     converted_config = load.load_config(resolve(converted), trust_remote_code=trust_remote_code)
     kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, device=device)
     model, tokenizer = load_for_eval(original, **kw)
+    kw["dtype"] = model_dtype_name(model)  # auto: ORIGINAL's own dtype, for CONVERTED too
     if tokenizer is None:
         raise NormswapError(f"{original}: no tokenizer found")
     # models that differ are named before any forward pass (an IndexError or a size mismatch otherwise)
