@@ -58,16 +58,17 @@ class Source:
     @property
     def nbytes(self) -> int:
         """Bytes of the weights in ``dtype`` (floating tensors converted, others as stored)."""
-        size = torch.empty((), dtype=self.dtype).element_size()
+        size = self.dtype.itemsize
         return sum(
-            (t.nbytes // torch.empty((), dtype=t.dtype).element_size()) * size if t.dtype.is_floating_point
+            (t.nbytes // t.dtype.itemsize) * size if t.dtype.is_floating_point
             else t.nbytes
             for t in self.reader.tensors.values()
         )  # fmt: skip
 
 
 def parse_size(text: str) -> int:
-    """``"2GiB"``, ``"1.5GB"``, ``"512MiB"`` -> bytes (accelerate's ``convert_file_size_to_int``).
+    """``"2GiB"``, ``"1.5GB"``, ``"512MiB"`` -> bytes (accelerate's ``convert_file_size_to_int``); a plain
+    integer is bytes.
 
     Raises:
         NormswapError: not a size accelerate understands, or not positive.
@@ -75,7 +76,7 @@ def parse_size(text: str) -> int:
     from accelerate.utils import convert_file_size_to_int
 
     try:
-        size = int(convert_file_size_to_int(text))
+        size = int(text) if text.strip().isdigit() else int(convert_file_size_to_int(text))
     except (ValueError, TypeError) as error:
         raise NormswapError(f"--max-memory {text!r} is not a size (examples: 2GiB, 1.5GB, 512MiB)") from error
     if size <= 0:
@@ -130,7 +131,7 @@ def open_source(
             fetched, not a causal LM, has a missing/truncated/corrupt shard, or a tokenizer that cannot be
             loaded.
     """
-    from normswap.io.load import ModelInfo, is_causal_lm, load_config, load_tokenizer, resolve, torch_dtype
+    from normswap.io.load import ModelInfo, is_causal_lm, load_config, load_tokenizer, resolve, resolve_dtype
 
     resolved = resolve(model)
     kind = resolved.kind
@@ -146,7 +147,7 @@ def open_source(
         raise NormswapError(f"{model}: --max-memory streams causal LMs only")
     reader = CheckpointReader(resolved.path)
     loaded_tokenizer = load_tokenizer(resolved, tokenizer, trust_remote_code=trust_remote_code)
-    torch_type = torch_dtype(dtype)
+    torch_type = resolve_dtype(dtype, resolved, config)
     from transformers import AutoModelForCausalLM
 
     architecture = AutoModelForCausalLM._model_mapping[type(config)].__name__
@@ -205,19 +206,20 @@ def _untie_checked(streamed: Streamed, folding, input_ids: torch.Tensor) -> list
 def write_shards(
     reader: CheckpointReader,
     plans,
-    dtype: torch.dtype,
     folder: Path,
     files: list[str],
     written: dict | None = None,
+    device: torch.device | str = "cpu",
 ) -> None:
-    """Write the output shards ``files`` (the input's shard names) into ``folder``, tensor by tensor; each
-    tensor's ``stream.verify.fingerprint`` goes into ``written`` (name -> fingerprint) when given."""
-    shards = layout(reader, plans, dtype)
+    """Write the output shards ``files`` (the input's shard names) into ``folder``, tensor by tensor, each
+    made on ``device``; each tensor's ``stream.verify.fingerprint`` goes into ``written`` (name ->
+    fingerprint) when given."""
+    shards = layout(reader, plans)
     for file in files:
         writer = ShardWriter(folder / file, shards[file])
         try:
             for name, _, _ in shards[file]:
-                tensor = make_tensor(reader, plans, name, dtype)
+                tensor = make_tensor(reader, plans, name, device)
                 if written is not None:
                     written[name] = fingerprint(tensor)
                 writer.write(name, tensor)
@@ -232,7 +234,7 @@ def write_shards(
 def _write_metadata(source: Source, plans, folder: Path, config) -> None:
     """Index (sharded inputs), config, generation config and tokenizer files of the output."""
     if source.reader.sharded:
-        shards = layout(source.reader, plans, source.dtype)
+        shards = layout(source.reader, plans)
         weight_map = {name: file for file, entries in shards.items() for name, _, _ in entries}
         total = sum(nbytes(d, s) for entries in shards.values() for _, d, s in entries)
         write_index(folder, weight_map, total)
@@ -253,6 +255,9 @@ def convert_streamed(
     force: bool = False,
     overwrite: bool = False,
     step=lambda message: None,
+    norm: str = "keep",
+    device: torch.device | str = "cpu",
+    choice=None,
 ) -> tuple[dict[str, Any], bool]:
     """Convert ``source`` into ``output`` with bounded memory (see the module docstring).
 
@@ -261,6 +266,12 @@ def convert_streamed(
         output: the output directory (checked by ``normswap.io.check_output_dir`` by the caller).
         input_ids: ``(1, T)`` ids of the check (and of the walk, as in memory).
         untie: allow untying a tied ``lm_head`` to fold the final norm into it.
+        norm: ``"keep"``, or ``"rmsnorm"``: center the LayerNorms into RMSNorms first
+            (``stream.transforms.center``, as ``normswap.convert`` does in memory).
+        device: where the weights are read to and every forward and fold runs (one module's weights at a
+            time; see ``stream.model.build``).
+        choice: ``normswap.memory.Choice`` that chose streaming (its budget and reason go into the report's
+            ``streamed`` entry).
         force: move the output into place even when the check fails.
         overwrite: replace an existing output directory.
         step: called with a progress message before each stage.
@@ -290,7 +301,7 @@ def convert_streamed(
     def records():
         return DiskRecords(spill)
 
-    streamed = build(source.config, source.reader, source.dtype)
+    streamed = build(source.config, source.reader, source.dtype, device)
     step("finding the norms and their consumers (streamed) ...")
     walk_ids = short_inputs(input_ids)
     traced = _guarded(lambda: walk(streamed.model, walk_ids), source)
@@ -304,9 +315,18 @@ def convert_streamed(
             lambda: reference_outputs(streamed.model, input_ids, sites=traced.sites, records=records), source
         )
     release_memory()
+    centered = None
+    if norm == "rmsnorm":
+        from normswap.stream.transforms import center
+
+        step("centering the LayerNorms' inputs (streamed) ...")
+        centered = _guarded(lambda: center(streamed, traced, walk_ids, untie=untie), source)
+        release_memory()
     folding = plan(streamed.model, traced, untie=untie, read=lambda name: _values(streamed.model, name))
     untied = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else []
-    plans = tensor_plans(streamed, folding, untied)
+    if centered is not None:  # centering may untie an embedding written into the residual stream
+        untied = centered.untied + untied
+    plans = tensor_plans(streamed, folding, source.dtype)
     config = streamed.model.config
     streamed.close()  # holds only the 1-D parameters from here on
     release_memory()
@@ -321,14 +341,15 @@ def convert_streamed(
         step(f"writing {len(source.reader.files)} shard(s) ...")
         mine = dist.my_share(source.reader.files)
         written: dict[str, tuple] = {}
-        dist.all_ok(lambda: write_shards(source.reader, plans, source.dtype, built, mine, written))
+        dist.all_ok(lambda: write_shards(source.reader, plans, built, mine, written, device))
         written = dist.merged(written)
         for site in folding.sites:
             site.folded = True
         report = ConvertReport(
-            model=source.info.source, norm="keep", norms_found=len(traced.sites),
+            model=source.info.source, norm=norm, norms_found=len(traced.sites),
             norms_folded=len(folding.sites), norms_swapped=0, sites=traced.sites, untied=untied,
-            untie_bytes=folding.untie_bytes, untouched=traced.untouched,
+            untie_bytes=folding.untie_bytes + (centered.untie_bytes if centered else 0),
+            untouched=traced.untouched,
         )  # fmt: skip
         for site in traced.sites:
             if site.foldable and not site.folded:
@@ -338,7 +359,7 @@ def convert_streamed(
             _write_metadata(source, plans, built, config)
             release_memory()
             step("checking the converted logits (streamed) ...")
-            converted = build(config, CheckpointReader(built), source.dtype)
+            converted = build(config, CheckpointReader(built), source.dtype, device)
             report.norms_swapped = swap_norms(converted.model, traced.sites)
             checked = _guarded(
                 lambda: compare(reference, converted.model, input_ids, records=records), source
@@ -349,10 +370,15 @@ def convert_streamed(
             if passed or force:  # what the saved copy must reproduce
                 expected = _guarded(lambda: record(converted.model, input_ids, written, source.dtype), source)
             converted.close()
+            peak = max(streamed.peak, converted.peak)
             del converted, written
             report.check = checked.to_dict()
             data = report_dict(report, source.info)
-            data["streamed"] = {"shards": len(source.reader.files), "processes": dist.world_size()}
+            data["streamed"] = {
+                "shards": len(source.reader.files), "processes": dist.world_size(), "device": str(device),
+                "budget": choice.budget if choice is not None else None, "peak_weight_bytes": peak,
+                **device_peak(device), "choice": choice.to_dict() if choice is not None else None,
+            }  # fmt: skip
             (built / MANIFEST).write_text(files.to_json(data))
             if passed or force:
                 files.apply_umask(built)
@@ -361,7 +387,7 @@ def convert_streamed(
                 _replace_dir(built, out, overwrite)
                 release_memory()
                 step(f"verifying {out} by a fresh load (streamed) ...")
-                verified = _guarded(lambda: verify_streamed(out, expected), source)
+                verified = _guarded(lambda: verify_streamed(out, expected, device), source)
                 data["verify"] = verified.to_dict()
                 if verified.passed or force:
                     (out / MANIFEST).write_text(files.to_json(data))
@@ -380,6 +406,15 @@ def convert_streamed(
         if dist.is_main():
             shutil.rmtree(built, ignore_errors=True)
             lock.close()
+
+
+def device_peak(device: torch.device | str) -> dict[str, int]:
+    """``{"peak_device_bytes": N}``: the most memory torch allocated on a CUDA ``device`` so far; ``{}``
+    elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    return {"peak_device_bytes": int(torch.cuda.max_memory_allocated(device))}
 
 
 def _values(model: torch.nn.Module, name: str) -> torch.Tensor:

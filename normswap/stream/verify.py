@@ -104,11 +104,11 @@ def _check_tensors(reader, expected: Expected) -> list[str]:
     return failures
 
 
-def verify_streamed(path: str | Path, expected: Expected) -> VerifyResult:
+def verify_streamed(path: str | Path, expected: Expected, device: torch.device | str = "cpu") -> VerifyResult:
     """Open the output directory ``path`` afresh and compare it with ``expected`` (see the module docstring).
 
     Memory: one tensor at a time for the digests; the streamed model (its 1-D parameters and one module's
-    weights) for the outputs.
+    weights, on ``device``, where the checked model ran) for the outputs.
 
     Returns:
         ``VerifyResult`` (``passed`` False with ``failures`` on any mismatch, including an output that no
@@ -128,7 +128,7 @@ def verify_streamed(path: str | Path, expected: Expected) -> VerifyResult:
         reader = CheckpointReader(path)
         failures += _check_tensors(reader, expected)
         config = load_config(resolve(str(path), download=False))
-        fresh = build(config, reader, expected.dtype)
+        fresh = build(config, reader, expected.dtype, device)
     except NormswapError as error:
         failures.append(f"the saved checkpoint does not load: {error}")
         fresh = None
