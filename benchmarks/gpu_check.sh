@@ -15,6 +15,10 @@
 #             disk, then `normswap convert DIR --dtype bfloat16 --device cuda`: the bf16 check must pass;
 #   gemma3    the same for a Gemma-3-style model (1+w norms, sandwich and q/k norms);
 #   devmap    `normswap convert` of the Llama with `--device-map auto` (accelerate's placement);
+#   stream    `normswap convert` of the Llama streamed onto the device with `--max-memory` a quarter of its
+#             weights: check and verification pass, and the device's peak memory (torch's
+#             max_memory_allocated; on a CPU dry run the weights the streamed model held) stays under the
+#             budget plus one layer's weights;
 #   time      prefill (8 x 2048) and decode (32 tokens) of the original vs the converted Llama: the converted
 #             one must not be slower (3% slack for noise).
 # Each part writes a log under $OUT and one summary line (PASS/FAIL/SKIP) to $OUT/summary.txt; the exit
@@ -31,14 +35,14 @@
 #   DEVICE=cpu SIZE=tiny ZOO_ONLY="llama gemma3_text" bash benchmarks/gpu_check.sh   # CPU dry run (tests, CI)
 #
 # DEVICE (cuda) is where everything runs; SIZE (1b) the size of the generated models (tiny: hidden 64);
-# ZOO_ONLY limits the zoo to some rows; PARTS ("tests zoo bench llama gemma3 devmap time") picks parts.
+# ZOO_ONLY limits the zoo to some rows; PARTS ("tests zoo bench llama gemma3 devmap stream time") picks parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/cuda}
 DEVICE=${DEVICE:-cuda}
 SIZE=${SIZE:-1b}
 ZOO_ONLY=${ZOO_ONLY:-}
-PARTS=${PARTS:-tests zoo bench llama gemma3 devmap time}
+PARTS=${PARTS:-tests zoo bench llama gemma3 devmap stream time}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 if [ "$SIZE" = tiny ]; then
   TIMING=(--batch 2 --prefill 64 --decode 8 --rounds 3 --slack 100)  # a dry run times nothing meaningful
@@ -84,6 +88,26 @@ convert_devmap() {  # the generated Llama again, placed by accelerate (--device-
   [ -f "$OUT/devmap.json" ] && report_line "$OUT/devmap.json"
   return $rc
 }
+convert_stream() {  # the generated Llama streamed onto $DEVICE, a quarter of its weights on the device at once
+  local budget
+  budget=$(python3 -c "import sys,os; print(sum(os.path.getsize(os.path.join(sys.argv[1], f)) for f in os.listdir(sys.argv[1]) if f.endswith('.safetensors')) // 4096, 'KiB', sep='')" "$MODELS/llama")
+  python3 -m normswap convert "$MODELS/llama" --device "$DEVICE" --max-memory "$budget" \
+    -o "$MODELS/llama-streamed" --report "$OUT/stream.json" || return $?
+  python3 - "$OUT/stream.json" "$MODELS/llama" <<'PY'
+import json, sys
+from normswap.stream.shards import CheckpointReader
+r = json.load(open(sys.argv[1]))
+s, reader = r["streamed"], CheckpointReader(sys.argv[2])
+layers = {n.split(".")[2] for n in reader.tensors if n.startswith("model.layers.")}
+layer = max(sum(t.nbytes for n, t in reader.tensors.items() if n.startswith(f"model.layers.{i}.")) for i in layers)
+peak = s.get("peak_device_bytes", s["peak_weight_bytes"])
+ok = r["check"]["passed"] and r["verify"]["passed"] and peak <= s["budget"] + layer
+print(f"streamed on {s['device']}: check {'PASSED' if r['check']['passed'] else 'FAILED'}, verify "
+      f"{'PASSED' if r['verify']['passed'] else 'FAILED'}, peak {peak / 2**20:.1f} MiB <= budget "
+      f"{s['budget'] / 2**20:.1f} MiB + one layer {layer / 2**20:.1f} MiB: {ok}")
+sys.exit(0 if ok else 1)
+PY
+}
 report_line() {  # report_line REPORT.json: norms and the check's verdict in one line
   python3 - "$1" <<'PY'
 import json, sys
@@ -112,7 +136,7 @@ print(f"{sum(r.passed for r in results)} / {len(results)} passed; max abs diff {
 sys.exit(0 if all(r.passed for r in results) else 1)
 PY
 }
-export -f report_line convert_new convert_devmap zoo_rows
+export -f report_line convert_new convert_devmap convert_stream zoo_rows
 export OUT DEVICE SIZE ZOO_ONLY MODELS
 
 # part NAME LIMIT_S COMMAND...: run COMMAND (log in $OUT/NAME.log), one summary line from its last line
@@ -149,10 +173,11 @@ else
 fi
 if [ -d "$MODELS/llama-converted" ]; then
   part devmap 90 convert_devmap
+  part stream 180 convert_stream
   part time 90 python3 benchmarks/gpu_models.py time "$MODELS/llama" "$MODELS/llama-converted" \
     --device "$DEVICE" --json "$OUT/timings.json" "${TIMING[@]}"
 else
-  echo "FAIL devmap, time: no converted Llama (part llama failed)" | tee -a "$OUT/summary.txt"
+  echo "FAIL devmap, stream, time: no converted Llama (part llama failed)" | tee -a "$OUT/summary.txt"
   failed=1
 fi
 if [ "${DEVICE%%:*}" = cuda ]; then

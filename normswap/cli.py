@@ -18,7 +18,7 @@ import click
 from normswap.errors import NormswapError
 from normswap.options import device_option
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 # Python arguments named in the library's errors -> the options that set them here
@@ -71,9 +71,9 @@ def _load_options(f=None, *, dtype_help="Precision the model is loaded, converte
     f = click.option(
         "--dtype",
         type=click.Choice(DTYPES),
-        default="float32",
+        default="auto",
         show_default=True,
-        help=dtype_help,
+        help=dtype_help + " auto: the checkpoint's own (float32 for a GGUF file).",
     )(f)
     f = click.option(
         "--device-map",
@@ -149,11 +149,13 @@ def main() -> None:
 @click.option(
     "--max-memory",
     metavar="SIZE",
-    help="Hold at most about SIZE of weights (2GiB, 500MB, ...): a larger safetensors model directory is "
-    "streamed shard by shard (docs/STREAMING.md).",
+    help="Hold at most about SIZE of weights (2GiB, 500MB, ...): a larger safetensors model is streamed "
+    "shard by shard [default: streamed when the in-memory conversion would not fit the memory available, "
+    "with a budget derived from it] (docs/STREAMING.md).",
 )
+@click.option("--no-stream", is_flag=True, help="Convert in memory even when the model would not fit.")
 def convert(model, output, report, norm, dtype, trust_remote_code, device, device_map, tokens, force,
-            overwrite, no_untie, tokenizer_name, max_memory):  # fmt: skip
+            overwrite, no_untie, tokenizer_name, max_memory, no_stream):  # fmt: skip
     """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
     from normswap import io
     from normswap.check import compare, reference_outputs
@@ -167,9 +169,9 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         io.check_output_file(report, [model], output)
     options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
                    overwrite=overwrite, no_untie=no_untie)  # fmt: skip
-    if max_memory is not None and _convert_streamed(
-        model, output, report, max_memory, device=device, device_map=device_map, tokenizer=tokenizer_name,
-        **options,
+    if _convert_streamed(
+        model, output, report, max_memory, no_stream, device=device, device_map=device_map,
+        tokenizer=tokenizer_name, **options,
     ):  # fmt: skip
         return
     t0 = time.perf_counter()
@@ -236,36 +238,39 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         raise SystemExit(1)
 
 
-def _convert_streamed(model, output, report, max_memory, *, device, device_map, tokenizer, norm, dtype,
-                      trust_remote_code, tokens, force, overwrite, no_untie) -> bool:  # fmt: skip
-    """``convert --max-memory``: False when the model fits in the budget (the in-memory path then runs),
-    else the streamed conversion (``normswap.stream``, on the CPU), with the same outputs, messages and exit
-    codes; options it cannot honour (``--norm rmsnorm``, ``--device-map``, a ``--device`` other than the
-    CPU) are refused in one line."""
-    from normswap import io
+def _convert_streamed(model, output, report, max_memory, no_stream, *, device, device_map, tokenizer, norm,
+                      dtype, trust_remote_code, tokens, force, overwrite, no_untie) -> bool:  # fmt: skip
+    """False when the model is converted in memory (``normswap.memory.decide``: ``--no-stream``, weights
+    within ``--max-memory``, or an estimated peak that fits the memory available), else the streamed
+    conversion (``normswap.stream``, on ``--device``), with the same outputs, messages and exit codes;
+    ``--device-map`` with ``--max-memory`` is refused in one line."""
+    from normswap import io, memory
     from normswap.device import resolve_device
     from normswap.stream import convert as stream
-
-    budget = stream.parse_size(max_memory)
-    target = resolve_device(device)  # an unknown device is refused before anything is read
-    source = stream.open_source(model, dtype, trust_remote_code, tokenizer)
-    if source.nbytes <= budget:
-        return False
-    streaming = "is not available when streaming (the model exceeds --max-memory)"
-    if norm != "keep":
-        raise NormswapError(f"--norm {norm} {streaming}")
-    if device_map is not None:
-        raise NormswapError(f"--device-map {streaming}; streaming runs on the CPU")
-    if target.type != "cpu" and device != "auto":
-        raise NormswapError(f"--device {device} {streaming}; streaming runs on the CPU")
-    _step(f"{model}: {source.nbytes / 2**30:.2f} GiB of weights > --max-memory {max_memory}: streaming (CPU)")
-    input_ids, check_input = _check_ids(model, source.config, source.tokenizer, tokens)
-    report_dict, passed = stream.convert_streamed(
-        source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, step=_step
-    )
-    report_dict["check_input"] = check_input
     from normswap.stream import dist
 
+    target = resolve_device(device)  # an unknown device is refused before anything is read
+    if device_map is not None:  # the user places the model: in memory
+        if max_memory is not None:
+            raise NormswapError("--device-map is not available when streaming (--max-memory); give --device")
+        return False
+    choice = memory.decide(
+        model, dtype, max_memory=max_memory, no_stream=no_stream, untie=not no_untie, norm=norm,
+        tokens=tokens, device=str(target), trust_remote_code=trust_remote_code, tokenizer=tokenizer,
+    )  # fmt: skip
+    if not choice.stream:
+        return False
+    source = choice.source
+    if choice.reason and dist.is_main():
+        click.echo(f"normswap: {model}: {choice.reason}", err=True)
+    target = dist.device(target)
+    _step(f"{model}: {source.nbytes / 2**30:.2f} GiB of weights: streaming on {target}")
+    input_ids, check_input = _check_ids(model, source.config, source.tokenizer, tokens)
+    report_dict, passed = stream.convert_streamed(
+        source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, step=_step,
+        norm=norm, device=target, choice=choice,
+    )  # fmt: skip
+    report_dict["check_input"] = check_input
     if not dist.is_main():
         if not passed:
             raise SystemExit(1)

@@ -23,13 +23,16 @@ def _run(tmp_path: Path, parts: str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
 def test_gpu_check_dry_run(tmp_path):
     """Generate a tiny Llama, convert it through the CLI (bf16, --device cpu), again with --device-map auto,
-    and time original vs converted: every part passes and leaves its summary line and report."""
-    proc = _run(tmp_path, "llama devmap time")
+    again streamed with --max-memory a quarter of its weights, and time original vs converted: every part
+    passes and leaves its summary line and report."""
+    proc = _run(tmp_path, "llama devmap stream time")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     assert [line.split()[:2] for line in summary if line.startswith("PASS")] == [
-        ["PASS", "llama"], ["PASS", "devmap"], ["PASS", "time"],
+        ["PASS", "llama"], ["PASS", "devmap"], ["PASS", "stream"], ["PASS", "time"],
     ]  # fmt: skip
+    streamed = json.loads((tmp_path / "out" / "stream.json").read_text())["streamed"]
+    assert streamed["shards"] >= 1 and streamed["peak_weight_bytes"] > 0
     for name in ("llama", "devmap"):
         report = json.loads((tmp_path / "out" / f"{name}.json").read_text())
         assert report["norms_found"] == report["norms_folded"] == 5 and report["check"]["passed"]
