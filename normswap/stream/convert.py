@@ -1,4 +1,6 @@
-"""``normswap convert --max-memory SIZE`` for a model larger than SIZE: the pipeline, streamed.
+"""``normswap convert`` for a model larger than memory (or than ``--max-memory``): the pipeline, streamed.
+
+Every step runs on one device (``--device``: the CPU or a GPU), with one module's weights there at a time:
 
 1. walk: ``normswap.walk.walk`` on a streamed model (``stream.model``: norm parameters resident, every
    larger weight read from its shard as its module runs), on the first ids of the check as the in-memory
@@ -6,7 +8,9 @@
    512 tokens of a 1.1B Llama, and the dataflow it records does not depend on the length);
 2. reference logits of the original, streamed the same way (the localization records in a temporary file,
    ``stream.records``, so the memory does not grow with the layer count);
-3. ``normswap.fold.plan``; untying proved on two streamed forwards as ``normswap.fold.untie_checked`` does;
+3. with ``--norm rmsnorm``, centering (``stream.transforms.center``: the in-memory plan, each change of a
+   weight a transform applied as it is read); ``normswap.fold.plan``; untying proved on two streamed
+   forwards as ``normswap.fold.untie_checked`` does;
 4. every output shard written tensor by tensor with the plan applied (``stream.plan``), into a temporary
    directory beside the output, in the input's shard layout, with its index;
 5. the check: the written checkpoint, streamed, with the fused norms swapped in, against the reference
