@@ -9,8 +9,9 @@ process, under `/usr/bin/time -v` (wall clock, peak RSS), with its stderr on a p
 command prints its progress lines (it prints them only to a terminal); each line is time-stamped as it
 arrives. Stage times: the report's `timings` when the command writes them, else the time between
 consecutive progress lines, each stage named by its line ("loading" -> load, "finding the norms" -> walk,
-"running the original" -> reference, "centering"/"converting" -> fold, "writing N shard(s)" -> fold and
-write, "checking" -> check, "saving" -> save, "verifying" -> verify). Median of --runs per stage.
+"running the original" -> reference, "centering"/"planning"/"converting" -> fold, "writing N shard(s)" ->
+write (streamed: the folds applied as each tensor is written), "checking" -> check, "saving" -> save,
+"verifying" -> verify). Median of --runs per stage.
 
 The floor, measured in the same process as the benchmark, next to it:
 * read: every safetensors file (or the GGUF file) of MODEL read once (16 MiB plain reads; the page cache
@@ -48,8 +49,9 @@ STAGES = [  # progress line prefix -> stage
     ("finding the norms", "walk"),
     ("running the original", "reference"),
     ("centering", "fold"),
+    ("planning", "fold"),
     ("converting", "fold"),
-    ("writing", "fold+write"),
+    ("writing", "write"),
     ("checking", "check"),
     ("saving", "save"),
     ("verifying", "verify"),

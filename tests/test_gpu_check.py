@@ -45,4 +45,4 @@ def test_gpu_check_dry_run(tmp_path):
 def test_gpu_check_fails_when_a_part_fails(tmp_path):
     proc = _run(tmp_path, "time")  # no Llama generated: devmap and time cannot run
     assert proc.returncode == 1
-    assert "FAIL devmap, time: no converted Llama" in (tmp_path / "out" / "summary.txt").read_text()
+    assert "FAIL devmap, stream, time: no converted Llama" in (tmp_path / "out" / "summary.txt").read_text()

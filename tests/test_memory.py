@@ -108,7 +108,7 @@ def test_plain_convert_streams_when_memory_is_short(tokenizer, tmp_path, monkeyp
     assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in got)
 
 
-@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("stored", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
 def test_default_dtype_is_the_checkpoints_own(stored, tokenizer, tmp_path):  # noqa: F811
     """--dtype auto (the default): a half-precision checkpoint converts, checks and saves in its own dtype;
     --dtype float32 still overrides."""

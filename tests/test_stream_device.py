@@ -28,7 +28,9 @@ from normswap.stream.shards import CheckpointReader
 BUDGET = 64_000  # "64KB" in accelerate's syntax
 
 
-@pytest.mark.parametrize("model_type, norm", [("llama", "keep"), ("gpt2", "rmsnorm")])
+@pytest.mark.parametrize(
+    "model_type, norm", [("llama", "keep"), pytest.param("gpt2", "rmsnorm", marks=pytest.mark.slow)]
+)
 def test_gpu_streaming_dry_run(model_type, norm, tokenizer, tmp_path, monkeypatch):  # noqa: F811
     src = save_sharded(make_tiny_model(model_type), tokenizer, tmp_path / "src")
     memory = tmp_path / "memory"

@@ -326,6 +326,7 @@ def convert_streamed(
         step("centering the LayerNorms' inputs (streamed) ...")
         centered = _guarded(lambda: center(streamed, traced, walk_ids, untie=untie), source)
         release_memory()
+    step("planning the folds (each consumer weight read once) ...")
     folding = plan(streamed.model, traced, untie=untie, read=lambda name: _values(streamed.model, name))
     untied = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else []
     if centered is not None:  # centering may untie an embedding written into the residual stream
