@@ -16,7 +16,7 @@ write (streamed: the folds applied as each tensor is written), "checking" -> che
 The floor, measured in the same process as the benchmark, next to it:
 * read: every safetensors file (or the GGUF file) of MODEL read once (16 MiB plain reads; the page cache
   as the runs left it);
-* write: as many bytes written once into a file beside OUT;
+* write: the last run's output size (or, without runs, the input's) written once into a file in --work;
 * forwards: the check's forwards on its 512 tokens (for a half-precision model: the original in its dtype,
   in float32, and the converted model), with plain transformers for a model that fits in memory, else
   streamed (normswap.stream.model: each weight read from its shard as its module runs).
@@ -242,11 +242,12 @@ def main(model, name, runs, extra, work, out, no_floor, streamed_floor, keep):
     )
     median = {k: statistics.median(r["stages_s"].get(k, 0.0) for r in results) for k in stages}
     floor = {}
+    written = sum(f.stat().st_size for f in (work / "out").glob("*.safetensors"))
     if not no_floor:
         files = _files(model)
         floor["read_s"], nbytes = floor_read(files)
-        floor["bytes"] = nbytes
-        floor["write_s"] = floor_write(work, nbytes)
+        floor["bytes"], floor["written_bytes"] = nbytes, written or nbytes
+        floor["write_s"] = floor_write(work, floor["written_bytes"])
         floor["forwards_s"] = floor_forwards(model, streamed_floor)
         floor["total_s"] = floor["read_s"] + floor["write_s"] + floor["forwards_s"]["total"]
     if not keep:
@@ -280,7 +281,7 @@ def main(model, name, runs, extra, work, out, no_floor, streamed_floor, keep):
             "| floor | seconds |",
             "|---|---|",
             f"| read the input once ({floor['bytes'] / 2**30:.2f} GiB) | {floor['read_s']:.1f} |",
-            f"| write the output once | {floor['write_s']:.1f} |",
+            f"| write the output once ({floor['written_bytes'] / 2**30:.2f} GiB) | {floor['write_s']:.1f} |",
             f"| the check's forwards (2 x {f['forward']:.1f}"
             + (f" + float32 {f['forward_float32']:.1f}" if "forward_float32" in f else "")
             + f") | {f['total']:.1f} |",

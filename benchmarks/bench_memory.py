@@ -66,10 +66,11 @@ def _load_average() -> float:
 )
 @click.option("--work", type=click.Path(path_type=Path), default=Path("/tmp/normswap-bench-memory"))
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results")
-def main(cases, work, out):
+@click.option("--append", is_flag=True, help="Add the rows to those of --out's memory.json.")
+def main(cases, work, out, append):
     """Estimate vs measured in-memory peak, one conversion per case."""
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows = json.loads((out / "memory.json").read_text()) if append and (out / "memory.json").is_file() else []
     for case in map(_case, cases.split(",")):
         src, dst = work / "src", work / "out"
         shutil.rmtree(src, ignore_errors=True)

@@ -9,7 +9,6 @@ the cost is a temporary copy of the written parameters.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -86,7 +85,7 @@ def prepare(
             actions.append(("bias", (mod_name, attr), zeros))
         actions.append(("flag", flag.name, True))
     for (param, axis), groups in plan.groups.items():
-        change(plan.tensors[param], functools.partial(rewrite.centered, axis=axis, groups=groups))
+        change(plan.tensors[param], lambda t, axis=axis, groups=groups: rewrite.centered(t, axis, groups))
     for i, (emb, (norm_name, site)) in enumerate(plan.tables.items()):
         norm = model.get_submodule(norm_name)
         table = plan.tensors[emb]

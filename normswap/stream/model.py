@@ -262,7 +262,7 @@ def build(
         for attr, b in module._buffers.items():
             name = f"{mod_name}.{attr}" if mod_name else attr
             if b is not None and attr not in module._non_persistent_buffers_set and name in loaded:
-                persistent[loaded[name]] = (module, attr)
+                persistent[loaded[name]] = (module, attr, name)
     extra = sorted(set(reader.tensors) - set(keys.values()) - set(persistent))
     if extra:
         raise NormswapError(
@@ -273,9 +273,9 @@ def build(
             for attr, b in module._buffers.items():
                 if b is not None and b.device != torch.device(device):
                     module._buffers[attr] = b.to(device)
-        for name, (module, attr) in persistent.items():
-            module._buffers[attr] = reader.read(name, module._buffers[attr].dtype, device)
-            keys[name] = name
+        for key, (module, attr, name) in persistent.items():
+            module._buffers[attr] = reader.read(key, module._buffers[attr].dtype, device)
+            keys[name] = key
     streamed = Streamed(model, reader, keys, loaded_as={v: k for k, v in loaded.items()}, saved_name=saved)
     replaced: dict[int, nn.Parameter] = {}  # id of the meta Parameter -> its stand-in (tied ones stay shared)
     for mod_name, module in model.named_modules(remove_duplicate=False):
