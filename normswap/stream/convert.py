@@ -227,9 +227,9 @@ def write_shards(
                 if written is not None:
                     written[name] = fingerprint(tensor)
                 writer.write(name, tensor)
-                del tensor
-                release_memory()
+                del tensor  # over 128 KiB: its own memory map, returned at once (unmap_freed_weights)
             writer.close()
+            release_memory()  # once per shard: a collection costs ~0.1 s (28 s per 11 GB of bfloat16)
         except BaseException:
             writer.abort()
             raise
