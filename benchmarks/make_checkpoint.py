@@ -1,5 +1,6 @@
 """Write a synthetic sharded safetensors checkpoint of any size, one tensor at a time (bounded memory).
 
+    python benchmarks/make_checkpoint.py /tmp/7b --preset 7b --tied --dtype bfloat16  # 5.87B params, 11.7 GB
     python benchmarks/make_checkpoint.py /tmp/tinyllama --preset tinyllama       # 1.17B params, 4.36 GiB f32
     python benchmarks/make_checkpoint.py /tmp/m1g --size 1GiB                    # Llama-shaped, ~1 GiB
     python benchmarks/make_checkpoint.py /tmp/g --preset small --gemma --tied    # Gemma-style (1+w) norms
@@ -28,6 +29,15 @@ import click
 import torch
 
 PRESETS = {
+    # Llama-2-7B's layer shape with 8 KV heads (grouped-query attention, as Llama-3-8B) and SmolLM2's
+    # vocabulary: 5.87B parameters with --tied, 11.7 GB in bfloat16 (the acceptance run of the plain command)
+    "7b": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
     # TinyLlama-1.1B's shape with SmolLM2's vocabulary: 1.17B parameters, 4.36 GiB in float32
     "tinyllama": dict(
         hidden_size=2048,

@@ -19,7 +19,7 @@ from normswap import progress
 from normswap.errors import NormswapError
 from normswap.options import OutputPath, device_option, model_name, size_option
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 # Python arguments named in the library's errors -> the options that set them here
@@ -206,9 +206,9 @@ def _load_options(f=None, *, dtype_help="Precision the model is loaded, converte
     f = click.option(
         "--dtype",
         type=click.Choice(DTYPES),
-        default="float32",
+        default="auto",
         show_default=True,
-        help=dtype_help,
+        help=dtype_help + " auto: the checkpoint's own (float32 for a GGUF file).",
     )(f)
     f = click.option(
         "--device-map",
@@ -306,9 +306,11 @@ def main() -> None:
 )
 @size_option(
     "--max-memory",
-    help="Hold at most about SIZE of weights (2GiB, 500MB, ...): a larger safetensors model directory is "
-    "streamed shard by shard (docs/STREAMING.md).",
+    help="Hold at most about SIZE of weights (2GiB, 500MB, ...): a larger safetensors model is streamed "
+    "shard by shard [default: streamed when the in-memory conversion would not fit the memory available, "
+    "with a budget derived from it] (docs/STREAMING.md).",
 )
+@click.option("--no-stream", is_flag=True, help="Convert in memory even when the model would not fit.")
 @click.option(
     "--keep-hidden-states",
     is_flag=True,
@@ -316,7 +318,7 @@ def main() -> None:
     "original's: the final norm is not folded into lm_head, and the check requires each to match.",
 )
 def convert(model, output, report, norm, dtype, trust_remote_code, device, device_map, tokens, force,
-            overwrite, no_untie, tokenizer_name, rotate, rotate_seed, rotate_heads, max_memory,
+            overwrite, no_untie, tokenizer_name, rotate, rotate_seed, rotate_heads, max_memory, no_stream,
             keep_hidden_states):  # fmt: skip
     """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
     stages = _stages(output)  # before the imports: an interrupt names the output from the start
@@ -345,13 +347,11 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     report_file = None  # written by its absolute path: `--output .` may exchange the working directory
     if report is not None:
         report_file = io.check_output_file(report, [model], output)
-    if max_memory is not None and rotate is not None:
-        _refuse_streamed_rotation(model, max_memory, dtype, trust_remote_code, tokenizer_name)
     options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
                    overwrite=overwrite, no_untie=no_untie, keep_hidden_states=keep_hidden_states)  # fmt: skip
-    if max_memory is not None and _convert_streamed(
-        model, output, report, max_memory, device=device, device_map=device_map, tokenizer=tokenizer_name,
-        report_file=report_file, stages=stages, **options,
+    if _convert_streamed(
+        model, output, report, max_memory, no_stream, device=device, device_map=device_map,
+        tokenizer=tokenizer_name, report_file=report_file, stages=stages, rotate=rotate, **options,
     ):  # fmt: skip
         return
     stages.start("load", f"{model} ({dtype})")
@@ -468,45 +468,55 @@ def _inputs_transform(result, reference, model, embeds, checked) -> dict[str, st
     return {inputs.FILE: to_json(transform)}
 
 
-def _convert_streamed(model, output, report, max_memory, *, device, device_map, tokenizer, report_file,
-                      stages, norm, dtype, trust_remote_code, tokens, force, overwrite, no_untie,
-                      keep_hidden_states) -> bool:  # fmt: skip
-    """``convert --max-memory``: False when the model fits in the budget (the in-memory path then runs),
-    else the streamed conversion (``normswap.stream``, on the CPU), with the same outputs, messages and exit
-    codes; options it cannot honour (``--norm rmsnorm``, ``--device-map``, a ``--device`` other than the
-    CPU) are refused in one line."""
-    from normswap import io
+def _convert_streamed(model, output, report, max_memory, no_stream, *, device, device_map, tokenizer,
+                      report_file, stages, rotate, norm, dtype, trust_remote_code, tokens, force, overwrite,
+                      no_untie, keep_hidden_states) -> bool:  # fmt: skip
+    """False when the model is converted in memory (``normswap.memory.decide``: ``--no-stream``, weights
+    within ``--max-memory``, or an estimated peak that fits the memory available), else the streamed
+    conversion (``normswap.stream``, on ``--device``), with the same outputs, messages and exit codes;
+    ``--device-map`` with ``--max-memory``, and ``--rotate`` on a model that must stream, are refused in one
+    line."""
+    from normswap import io, memory
     from normswap.device import resolve_device
     from normswap.stream import convert as stream
+    from normswap.stream import dist
 
-    budget = stream.parse_size(max_memory)
     target = resolve_device(device)  # an unknown device is refused before anything is read
-    stages.start("load", f"{model} ({dtype}): shard headers, config, tokenizer")
-    source = stream.open_source(model, dtype, trust_remote_code, tokenizer)
-    stages.stop()
-    weights = f"{_size(source.nbytes)} of weights"
-    if source.nbytes <= budget:
-        progress.note(f"{weights} fit in --max-memory {max_memory}: converting in memory")
+    if device_map is not None:  # the user places the model: in memory
+        if max_memory is not None:
+            raise NormswapError("--device-map is not available when streaming (--max-memory); give --device")
         return False
-    streaming = "is not available when streaming (the model exceeds --max-memory)"
-    if norm != "keep":
-        raise NormswapError(f"--norm {norm} {streaming}")
-    if device_map is not None:
-        raise NormswapError(f"--device-map {streaming}; streaming runs on the CPU")
-    if target.type != "cpu" and device != "auto":
-        raise NormswapError(f"--device {device} {streaming}; streaming runs on the CPU")
+    stages.start("load", f"{model} ({dtype}): shard headers, config, tokenizer; in memory or streamed?")
+    choice = memory.decide(
+        model, dtype, max_memory=max_memory, no_stream=no_stream, untie=not no_untie, norm=norm,
+        tokens=tokens, device=str(target), trust_remote_code=trust_remote_code, tokenizer=tokenizer,
+    )  # fmt: skip
+    stages.stop()
+    if not choice.stream:
+        return False
+    if rotate is not None:
+        why = choice.reason or "it exceeds --max-memory"
+        raise NormswapError(
+            f"--rotate is not available when streaming ({model}: {why}); give --no-stream to convert it in "
+            "memory"
+        )
+    source = choice.source
+    if choice.reason and dist.is_main():
+        click.echo(f"normswap: {model}: {choice.reason}", err=True)
+    target = dist.device(target)
+    budget = max_memory if max_memory is not None else _size(choice.budget)
     progress.note(
-        f"streaming: budget {max_memory}, {weights} in {len(source.reader.files)} shard(s), on the CPU"
+        f"streaming: budget {budget}, {_size(source.nbytes)} of weights in "
+        f"{len(source.reader.files)} shard(s), on {target}"
     )
     input_ids, check_input = _check_ids(model, source.config, source.tokenizer, tokens)
     report_dict, passed = stream.convert_streamed(
         source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, stages=stages,
-        keep_hidden_states=keep_hidden_states,
+        keep_hidden_states=keep_hidden_states, norm=norm, device=target, choice=choice,
     )  # fmt: skip
     report_dict["check_input"] = check_input
     _note_check_text(report_dict, tokenizer)
-    from normswap.stream import dist
-
+    report_dict["check_input"] = check_input
     if not dist.is_main():
         if not passed:
             raise SystemExit(1)
@@ -525,19 +535,6 @@ def _convert_streamed(model, output, report, max_memory, *, device, device_map, 
         )
         raise SystemExit(1)
     return True
-
-
-def _refuse_streamed_rotation(model, max_memory, dtype, trust_remote_code, tokenizer) -> None:
-    """``--rotate`` with ``--max-memory``: refused in one line when the model would stream (the streamed path
-    does not rotate yet); a model that fits in the budget converts in memory as without ``--max-memory``."""
-    from normswap.stream import convert as stream
-
-    source = stream.open_source(model, dtype, trust_remote_code, tokenizer)
-    if source.nbytes > stream.parse_size(max_memory):
-        raise NormswapError(
-            f"--rotate is not available when streaming (the model exceeds --max-memory {max_memory}); "
-            "convert it in memory"
-        )
 
 
 def _note_check_text(report_dict: dict, tokenizer: str | None) -> None:

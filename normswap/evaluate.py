@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import click
 
 from normswap.errors import NormswapError
-from normswap.options import OutputPath, device_option, model_name
+from normswap.options import OutputPath, device_option, dtype_option, model_name
 
 if TYPE_CHECKING:
     import torch
@@ -29,8 +29,16 @@ if TYPE_CHECKING:
 _FIELDS = ("window", "nll_original", "nll_converted", "kl_sum", "top1", "positions", "targets", "max_abs")
 
 
+def model_dtype_name(model) -> str:
+    """``"bfloat16"``: the dtype of ``model``'s floating parameters (its ``dtype``)."""
+    dtype = getattr(model, "dtype", None) or next(
+        p.dtype for p in model.parameters() if p.is_floating_point()
+    )
+    return str(dtype).removeprefix("torch.")
+
+
 def load_for_eval(
-    source, *, dtype="float32", device_map=None, trust_remote_code=False, tokenizer=True, device="cpu"
+    source, *, dtype="auto", device_map=None, trust_remote_code=False, tokenizer=True, device="cpu"
 ):
     """Load MODEL ``source`` for evaluation -> ``(model, tokenizer or None)``, in eval mode.
 
@@ -270,9 +278,7 @@ def _evaluate(original, converted, windows, accelerator, progress):
     default=None,
     help="Tokens per window [default: 512, or the model's max_position_embeddings if smaller].",
 )
-@click.option(
-    "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True
-)
+@dtype_option(help="Precision both models are loaded and evaluated in.")
 @click.option(
     "--device-map", help='Passed to from_pretrained, e.g. "auto" for models bigger than one device.'
 )
@@ -318,6 +324,7 @@ def eval_command(
     target = acc.device if device == "auto" else device  # auto: the device accelerate gave this process
     kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, device=target)
     original, tokenizer = load_for_eval(model_source, **kw)
+    dtype = kw["dtype"] = model_dtype_name(original)  # auto: --model's own dtype, for --converted too
     conv, _ = load_for_eval(converted, tokenizer=False, **kw)
     for name, model in (("--model", original), ("--converted", conv)):
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:

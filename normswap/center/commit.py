@@ -9,6 +9,9 @@ the cost is a temporary copy of the written parameters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
@@ -20,15 +23,42 @@ from normswap.walk import Walk
 
 Action = tuple  # ("untie", (module, attr), Parameter) | ("bias", (module, attr), Parameter)
 #                 | ("flag", config attribute, True) | ("copy", target tensor, new values)
+#                 | ("call", function of no arguments): a change ``defer`` made (streamed models)
+
+
+def _clone(name: str, old: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
+
+
+def _fill(value: float):
+    return lambda t: torch.full_like(t, value)
 
 
 @torch.no_grad()
-def prepare(model: nn.Module, plan: Plan) -> list[Action]:
+def prepare(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    copy: Callable[[str, nn.Parameter], nn.Parameter] = _clone,
+    defer: Callable[[torch.Tensor, Callable], Callable[[], None] | None] | None = None,
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[Action]:
     """Allocate every new tensor of ``plan``; the model is not touched.
+
+    Every change of a tensor's values is a function of its values alone (``rewrite.centered``,
+    ``rewrite.table_rows``, a fill), so a model whose weights stay on disk can apply it as it reads them.
 
     Args:
         model: the planned model.
         plan: from ``plan_centering``; its ``result.tables`` entries get their scale appended.
+        copy: ``copy(qualified name, old)`` makes an untied holder's own Parameter (default: a clone; as
+            ``normswap.fold.untie_parameters``).
+        defer: ``defer(target, op)`` may return a function that ``commit`` calls to make ``op`` (tensor ->
+            new tensor of the same shape and dtype) part of ``target``'s values later; when it returns None
+            (or without ``defer``) the new values are computed here. ``normswap.stream`` passes
+            ``Streamed.transform`` this way.
+        read: the values of a tensor whose whole is needed now (an embedding table's scale; default: the
+            tensor itself).
 
     Returns:
         The actions ``commit`` applies, in order.
@@ -37,11 +67,17 @@ def prepare(model: nn.Module, plan: Plan) -> list[Action]:
         CenteringError: a table that cannot be rewritten exactly (eps 0).
     """
     actions: list[Action] = []
+
+    def change(target: torch.Tensor, op: Callable, value: torch.Tensor | None = None) -> None:
+        later = defer(target, op) if defer is not None else None
+        if later is not None:
+            actions.append(("call", later))
+        else:
+            actions.append(("copy", target, op(target) if value is None else value))
+
     for module, attr in plan.untie:
         old = model.get_submodule(module)._parameters[attr]
-        actions.append(
-            ("untie", (module, attr), nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad))
-        )
+        actions.append(("untie", (module, attr), copy(f"{module}.{attr}" if module else attr, old)))
     for flag in plan.flags:
         for mod_name, (attr, shape) in flag.biases.items():
             ref = next(model.get_submodule(mod_name).parameters())
@@ -49,16 +85,19 @@ def prepare(model: nn.Module, plan: Plan) -> list[Action]:
             actions.append(("bias", (mod_name, attr), zeros))
         actions.append(("flag", flag.name, True))
     for (param, axis), groups in plan.groups.items():
-        actions.append(("copy", plan.tensors[param], rewrite.centered(plan.tensors[param], axis, groups)))
+        change(plan.tensors[param], lambda t, axis=axis, groups=groups: rewrite.centered(t, axis, groups))
     for i, (emb, (norm_name, site)) in enumerate(plan.tables.items()):
         norm = model.get_submodule(norm_name)
-        rows, scale = table_rows(plan.tensors[emb], site, norm)
-        actions.append(("copy", plan.tensors[emb], rows))
+        table = plan.tensors[emb]
+        rows, scale = table_rows(read(table) if read is not None else table, site, norm)
+        frozen = SimpleNamespace(
+            **{n: getattr(norm, n).detach().clone() for n in (site.weight, site.bias) if n}
+        )
+        change(table, lambda t, site=site, frozen=frozen: table_rows(t, site, frozen)[0], rows)
         if site.weight:
-            w = getattr(norm, site.weight)
-            actions.append(("copy", w, torch.full_like(w, scale - site.offset)))
+            change(getattr(norm, site.weight), _fill(scale - site.offset))
         if site.bias:
-            actions.append(("copy", getattr(norm, site.bias), torch.zeros_like(getattr(norm, site.bias))))
+            change(getattr(norm, site.bias), _fill(0.0))
         plan.result.tables[i] += f" (constant scale {scale:g})"
         plan.scales[emb] = scale
     return actions
@@ -73,7 +112,8 @@ def commit(model: nn.Module, walk: Walk, plan: Plan, actions: list[Action]) -> N
     table says so in its ``reason``; untied parameters have their new names in ``walk``.
     """
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    for kind, target, value in actions:
+    for kind, target, *rest in actions:
+        value = rest[0] if rest else None
         if kind == "untie":
             module = model.get_submodule(target[0])
             shared = module._parameters[target[1]]
@@ -87,6 +127,8 @@ def commit(model: nn.Module, walk: Walk, plan: Plan, actions: list[Action]) -> N
             model.get_submodule(target[0]).register_parameter(target[1], value)
         elif kind == "flag":
             setattr(model.config, target, value)
+        elif kind == "call":
+            target()
         else:
             target.copy_(value)
     for site in plan.resolved:

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from normswap.errors import NormswapError
-from normswap.options import OutputPath, device_option, model_name
+from normswap.options import OutputPath, device_option, dtype_option, model_name
 
 
 def _manifest(path) -> dict:
@@ -35,9 +35,7 @@ def _manifest_sites(path) -> list:
     "max_position_embeddings].",
 )
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False), help="UTF-8 text file.")
-@click.option(
-    "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True
-)
+@dtype_option
 @click.option(
     "--greedy", type=click.IntRange(min=0), default=0, show_default=True, help="New tokens to compare."
 )
@@ -82,7 +80,7 @@ def check_command(
         text_ids,
     )
     from normswap.convert import stream_transform
-    from normswap.evaluate import load_for_eval, read_text
+    from normswap.evaluate import load_for_eval, model_dtype_name, read_text
     from normswap.io import check_output_file, load, quiet_loading, resolve, write_json
     from normswap.progress import Stages
 
@@ -100,6 +98,7 @@ def check_command(
     stages = Stages()
     stages.start("load", f"{original} ({dtype})")
     model, tokenizer = load_for_eval(original, **kw)
+    kw["dtype"] = model_dtype_name(model)  # auto: ORIGINAL's own dtype, for CONVERTED too
     signal = signal_check_inputs(original, model, tokens)  # a speech or vision model: a random input
     if signal is not None and (text_file is not None or greedy):
         option = "--text" if text_file is not None else "--greedy"
@@ -130,7 +129,7 @@ def check_command(
     stages.start("reference", f"running {original} on {on}")
     reference = reference_outputs(model, input_ids, sites=sites, greedy_tokens=greedy)
     del model  # lean: one model in memory at a time
-    stages.start("load", f"{converted} ({dtype})")
+    stages.start("load", f"{converted} ({kw['dtype']})")
     other, _ = load_for_eval(converted, tokenizer=False, **kw)
     stages.start("check", f"running {converted} and comparing")
     try:

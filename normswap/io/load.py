@@ -250,13 +250,57 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"float32"`` / ``torch.float32`` -> ``torch.float32``.
 
     Raises:
-        NormswapError: a dtype normswap does not load models in.
+        NormswapError: a dtype normswap does not load models in (``"auto"`` is resolved by
+            ``resolve_dtype`` first).
     """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
         raise NormswapError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def stored_dtype(folder: str | os.PathLike) -> torch.dtype | None:
+    """The floating dtype holding most bytes of a local directory's safetensors weights (headers only), or
+    None when it has no safetensors files or no floating tensor."""
+    from normswap.stream.shards import CheckpointReader
+
+    try:
+        reader = CheckpointReader(folder)
+    except NormswapError:
+        return None
+    totals: dict[torch.dtype, int] = {}
+    for t in reader.tensors.values():
+        if t.dtype.is_floating_point:
+            totals[t.dtype] = totals.get(t.dtype, 0) + t.nbytes
+    return max(totals, key=totals.get) if totals else None
+
+
+def resolve_dtype(dtype: str | torch.dtype, resolved: Resolved, config=None) -> torch.dtype:
+    """The dtype a model is loaded in; ``"auto"`` is the checkpoint's own, as transformers 5 reads it.
+
+    ``"auto"``: float32 for a GGUF file (its weights are dequantized); else the config's ``dtype``
+    (``torch_dtype`` in older configs) when it is float32, bfloat16, float16 or float64; else, for a local
+    directory, the floating dtype of most of its safetensors bytes; else float32. Any other value as
+    ``torch_dtype``.
+
+    Raises:
+        NormswapError: an unsupported dtype name.
+    """
+    if not (isinstance(dtype, str) and dtype == "auto"):
+        return torch_dtype(dtype)
+    if resolved.gguf_file:
+        return torch.float32
+    own = getattr(config, "dtype", None) if config is not None else None
+    if isinstance(own, str):
+        own = DTYPES.get(own.removeprefix("torch."))
+    if own in DTYPES.values():
+        return own
+    if resolved.kind == "dir":
+        stored = stored_dtype(resolved.path)
+        if stored in DTYPES.values():
+            return stored
+    return torch.float32
 
 
 def _first_line(error: BaseException) -> str:
@@ -486,7 +530,7 @@ def load_tokenizer(resolved: Resolved, name_or_dir: str | Path | None = None, *,
 def load_model(
     source: str | Path,
     *,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype = "auto",
     trust_remote_code: bool = False,
     tokenizer: bool | str | Path = True,
     device: str | torch.device | None = "cpu",
@@ -497,8 +541,9 @@ def load_model(
 
     Args:
         source: hub id, model directory, ``.gguf`` file or short name (see the module docstring).
-        dtype: dtype of the floating-point parameters (``"float32"`` default, ``"bfloat16"``,
-            ``"float16"``, ``"float64"`` or a ``torch.dtype``). GGUF weights are dequantized into it.
+        dtype: dtype of the floating-point parameters: ``"auto"`` (default: the checkpoint's own,
+            float32 for GGUF; see ``resolve_dtype``), ``"float32"``, ``"bfloat16"``, ``"float16"``,
+            ``"float64"`` or a ``torch.dtype``. GGUF weights are dequantized into it.
         trust_remote_code: allow transformers to run Python code shipped with the model.
         tokenizer: ``True``: the model's own tokenizer (``None`` for a model directory without tokenizer
             files); a hub id or directory: that tokenizer; ``False``: none (``LoadedModel.tokenizer`` is
@@ -523,7 +568,8 @@ def load_model(
 
     target = resolve_device(str(device)) if device_map is None else None
     resolved = resolve(source)
-    dtype = torch_dtype(dtype)
+    if not (isinstance(dtype, str) and dtype == "auto"):
+        dtype = torch_dtype(dtype)  # a bad name fails before the config is read
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if resolved.gguf_file:
         kwargs["gguf_file"] = resolved.gguf_file
@@ -534,6 +580,7 @@ def load_model(
         placement["device_map"] = str(target)
     with _gguf_loading() if resolved.gguf_file else contextlib.nullcontext():
         config = load_config(resolved, trust_remote_code=trust_remote_code)
+        dtype = resolve_dtype(dtype, resolved, config)
         try:
             auto_name = auto_class_name(config)
         except NormswapError as error:

@@ -491,7 +491,7 @@ def load_pretrained(
 
     Args:
         path: the checkpoint directory.
-        dtype: dtype to load in (default: the dtype the checkpoint was saved in).
+        dtype: dtype to load in (default, or ``"auto"``: the dtype the checkpoint was saved in).
         trust_remote_code: allow transformers to run Python code shipped with the model.
         trainable_norm_weights: give every folded RMSNorm its identity weight as a trainable Parameter,
             as plain transformers loads it (one more multiply per norm call), to fine-tune norm weights.
@@ -513,7 +513,7 @@ def load_pretrained(
     resolved = resolve(path, download=False)
     config = load_config(resolved, trust_remote_code=trust_remote_code)
     auto = getattr(transformers, auto_class_name(config))
-    if dtype is not None:
+    if dtype is not None and not (isinstance(dtype, str) and dtype == "auto"):
         kwargs["dtype"] = torch_dtype(dtype)
     else:
         kwargs.setdefault("dtype", "auto")

@@ -1,4 +1,6 @@
-"""``normswap convert --max-memory SIZE`` for a model larger than SIZE: the pipeline, streamed.
+"""``normswap convert`` for a model larger than memory (or than ``--max-memory``): the pipeline, streamed.
+
+Every step runs on one device (``--device``: the CPU or a GPU), with one module's weights there at a time:
 
 1. walk: ``normswap.walk.walk`` on a streamed model (``stream.model``: norm parameters resident, every
    larger weight read from its shard as its module runs), on the first ids of the check as the in-memory
@@ -6,7 +8,9 @@
    512 tokens of a 1.1B Llama, and the dataflow it records does not depend on the length);
 2. reference logits of the original, streamed the same way (the localization records in a temporary file,
    ``stream.records``, so the memory does not grow with the layer count);
-3. ``normswap.fold.plan``; untying proved on two streamed forwards as ``normswap.fold.untie_checked`` does;
+3. with ``--norm rmsnorm``, centering (``stream.transforms.center``: the in-memory plan, each change of a
+   weight a transform applied as it is read); ``normswap.fold.plan``; untying proved on two streamed
+   forwards as ``normswap.fold.untie_checked`` does;
 4. every output shard written tensor by tensor with the plan applied (``stream.plan``), into a hidden
    folder beside the output (``normswap.io.staging.Staging``), in the input's shard layout, with its index;
    every checkpoint tensor is written, also those the model class does not run (``stream.model.build``:
@@ -37,6 +41,7 @@ from typing import Any
 
 import torch
 
+from normswap import progress
 from normswap.errors import NormswapError
 from normswap.io import carry, staging
 from normswap.stream import dist
@@ -63,9 +68,9 @@ class Source:
     @property
     def nbytes(self) -> int:
         """Bytes of the weights in ``dtype`` (floating tensors converted, others as stored)."""
-        size = torch.empty((), dtype=self.dtype).element_size()
+        size = self.dtype.itemsize
         return sum(
-            (t.nbytes // torch.empty((), dtype=t.dtype).element_size()) * size if t.dtype.is_floating_point
+            (t.nbytes // t.dtype.itemsize) * size if t.dtype.is_floating_point
             else t.nbytes
             for t in self.reader.tensors.values()
         )  # fmt: skip
@@ -135,7 +140,7 @@ def open_source(
             fetched, not a causal LM, has a missing/truncated/corrupt shard, or a tokenizer that cannot be
             loaded.
     """
-    from normswap.io.load import ModelInfo, is_causal_lm, load_config, load_tokenizer, resolve, torch_dtype
+    from normswap.io.load import ModelInfo, is_causal_lm, load_config, load_tokenizer, resolve, resolve_dtype
 
     resolved = resolve(model)
     kind = resolved.kind
@@ -151,7 +156,7 @@ def open_source(
         raise NormswapError(f"{model}: --max-memory streams causal LMs only")
     reader = CheckpointReader(resolved.path)
     loaded_tokenizer = load_tokenizer(resolved, tokenizer, trust_remote_code=trust_remote_code)
-    torch_type = torch_dtype(dtype)
+    torch_type = resolve_dtype(dtype, resolved, config)
     architecture = _causal_lm_name(model, config)
     info = ModelInfo(
         source=resolved.source, kind=kind, path=resolved.path, gguf_file=None, short_name=None,
@@ -222,25 +227,26 @@ def _untie_checked(streamed: Streamed, folding, input_ids: torch.Tensor) -> list
 def write_shards(
     reader: CheckpointReader,
     plans,
-    dtype: torch.dtype,
     folder: Path,
     files: list[str],
     written: dict | None = None,
+    device: torch.device | str = "cpu",
 ) -> None:
-    """Write the output shards ``files`` (the input's shard names) into ``folder``, tensor by tensor; each
-    tensor's ``stream.verify.fingerprint`` goes into ``written`` (name -> fingerprint) when given."""
-    shards = layout(reader, plans, dtype)
+    """Write the output shards ``files`` (the input's shard names) into ``folder``, tensor by tensor, each
+    made on ``device``; each tensor's ``stream.verify.fingerprint`` goes into ``written`` (name ->
+    fingerprint) when given."""
+    shards = layout(reader, plans)
     for file in files:
         writer = ShardWriter(folder / file, shards[file])
         try:
             for name, _, _ in shards[file]:
-                tensor = make_tensor(reader, plans, name, dtype)
+                tensor = make_tensor(reader, plans, name, device)
                 if written is not None:
                     written[name] = fingerprint(tensor)
                 writer.write(name, tensor)
-                del tensor
-                release_memory()
+                del tensor  # over 128 KiB: its own memory map, returned at once (unmap_freed_weights)
             writer.close()
+            release_memory()  # once per shard: a collection costs ~0.1 s (28 s per 11 GB of bfloat16)
         except BaseException:
             writer.abort()
             raise
@@ -251,7 +257,7 @@ def _write_metadata(source: Source, plans, folder: Path, config, inputs) -> None
     """Index (sharded inputs), config, generation config and tokenizer files of the output; the other files
     of the input (``inputs``, ``normswap.io.carry``: model card, licence, the model's own code, ...)."""
     if source.reader.sharded:
-        shards = layout(source.reader, plans, source.dtype)
+        shards = layout(source.reader, plans)
         weight_map = {name: file for file, entries in shards.items() for name, _, _ in entries}
         total = sum(nbytes(d, s) for entries in shards.values() for _, d, s in entries)
         write_index(folder, weight_map, total)
@@ -274,6 +280,9 @@ def convert_streamed(
     overwrite: bool = False,
     stages=None,
     keep_hidden_states: bool = False,
+    norm: str = "keep",
+    device: torch.device | str = "cpu",
+    choice=None,
 ) -> tuple[dict[str, Any], bool]:
     """Convert ``source`` into ``output`` with bounded memory (see the module docstring).
 
@@ -282,6 +291,12 @@ def convert_streamed(
         output: the output directory (checked by ``normswap.io.check_output_dir`` by the caller).
         input_ids: ``(1, T)`` ids of the check (and of the walk, as in memory).
         untie: allow untying a tied ``lm_head`` to fold the final norm into it.
+        norm: ``"keep"``, or ``"rmsnorm"``: center the LayerNorms into RMSNorms first
+            (``stream.transforms.center``, as ``normswap.convert`` does in memory).
+        device: where the weights are read to and every forward and fold runs (one module's weights at a
+            time; see ``stream.model.build``).
+        choice: ``normswap.memory.Choice`` that chose streaming (its budget and reason go into the report's
+            ``streamed`` entry).
         force: move the output into place even when the check fails.
         overwrite: replace an existing output directory.
         stages: a ``normswap.progress.Stages`` that times the stages walk, reference, convert (the plan,
@@ -300,7 +315,7 @@ def convert_streamed(
             output directory is then untouched.
     """
     from normswap.check import compare, reference_outputs
-    from normswap.convert import ConvertReport, already_converted
+    from normswap.convert import ConvertReport, already_converted, stream_transform
     from normswap.fold import plan
     from normswap.io import files
     from normswap.io.save import input_manifest, report_dict
@@ -319,16 +334,18 @@ def convert_streamed(
 
     stages = stages if stages is not None else Stages()
     trusted = source.trust_remote_code
-    streamed = build(source.config, source.reader, source.dtype, trust_remote_code=trusted)
+    streamed = build(source.config, source.reader, source.dtype, device, trust_remote_code=trusted)
     inputs = carry.gather(source.info)  # the other files of the input
     inputs.skipped = streamed.skipped  # tensors the class does not run: every checkpoint tensor is written
+    if norm != "keep":
+        carry.refuse_changed_stream(source.info.source, streamed.model, inputs.skipped, f"--norm {norm}")
     stages.start("walk", "finding the norms and their consumers (streamed)")
     walk_ids = short_inputs(input_ids)
     traced = _guarded(lambda: walk(streamed.model, walk_ids, keep_hidden_states=keep_hidden_states), source)
     if not traced.sites:
         raise NormswapError(f"{source.info.source}: no normalization modules found; nothing to convert")
     already_converted(
-        source.info.source, streamed.model, traced.sites, "keep", input_manifest(source.info.path)
+        source.info.source, streamed.model, traced.sites, norm, input_manifest(source.info.path)
     )
     inputs.kept = carry.keep_final_norms(streamed.model, traced.sites, inputs.skipped)
     release_memory()
@@ -340,9 +357,19 @@ def convert_streamed(
         )
     release_memory()
     stages.start("convert", f"folding the norms into {len(source.reader.files)} shard(s) as they are written")
+    centered = None
+    if norm == "rmsnorm":
+        from normswap.stream.transforms import center
+
+        progress.note("centering the LayerNorms' inputs (streamed) ...")
+        centered = _guarded(lambda: center(streamed, traced, walk_ids, untie=untie), source)
+        release_memory()
+    progress.note("planning the folds (each consumer weight read once) ...")
     folding = plan(streamed.model, traced, untie=untie, read=lambda name: _values(streamed.model, name))
     untied = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else []
-    plans = tensor_plans(streamed, folding, untied)
+    if centered is not None:  # centering may untie an embedding written into the residual stream
+        untied = centered.untied + untied
+    plans = tensor_plans(streamed, folding, source.dtype)
     config = streamed.model.config
     streamed.close()  # holds only the 1-D parameters from here on
     release_memory()
@@ -357,15 +384,16 @@ def convert_streamed(
     try:
         mine = dist.my_share(source.reader.files)
         written: dict[str, tuple] = {}
-        dist.all_ok(lambda: write_shards(source.reader, plans, source.dtype, built, mine, written))
+        dist.all_ok(lambda: write_shards(source.reader, plans, built, mine, written, device))
         written = dist.merged(written)
         for site in folding.sites:
             site.folded = True
         report = ConvertReport(
-            model=source.info.source, norm="keep", norms_found=len(traced.sites),
+            model=source.info.source, norm=norm, norms_found=len(traced.sites),
             norms_folded=len(folding.sites), norms_swapped=0, sites=traced.sites, untied=untied,
-            untie_bytes=folding.untie_bytes, untouched=traced.untouched,
-            keep_hidden_states=keep_hidden_states,
+            untie_bytes=folding.untie_bytes + (centered.untie_bytes if centered else 0),
+            untouched=traced.untouched, keep_hidden_states=keep_hidden_states,
+            centering=centered.to_dict() if centered is not None and centered.note is None else None,
         )  # fmt: skip
         for site in traced.sites:
             if site.foldable and not site.folded:
@@ -375,7 +403,8 @@ def convert_streamed(
             _write_metadata(source, plans, built, config, inputs)
             release_memory()
             stages.start("check", "comparing the converted model's outputs with the original's (streamed)")
-            converted = build(config, CheckpointReader(built), source.dtype, trust_remote_code=trusted)
+            written_reader = CheckpointReader(built)
+            converted = build(config, written_reader, source.dtype, device, trust_remote_code=trusted)
             report.norms_swapped = swap_norms(converted.model, traced.sites)
             checked = _guarded(
                 lambda: compare(
@@ -383,6 +412,7 @@ def convert_streamed(
                     converted.model,
                     input_ids,
                     records=records,
+                    transform=stream_transform(report),
                     keep_hidden_states=keep_hidden_states,
                 ),
                 source,
@@ -393,10 +423,15 @@ def convert_streamed(
             if passed or force:  # what the saved copy must reproduce
                 expected = _guarded(lambda: record(converted.model, input_ids, written, source.dtype), source)
             converted.close()
+            peak = max(streamed.peak, converted.peak)
             del converted, written
             report.check = checked.to_dict()
             data = report_dict(report, source.info)
-            data["streamed"] = {"shards": len(source.reader.files), "processes": dist.world_size()}
+            data["streamed"] = {
+                "shards": len(source.reader.files), "processes": dist.world_size(), "device": str(device),
+                "budget": choice.budget if choice is not None else None, "peak_weight_bytes": peak,
+                **device_peak(device), "choice": choice.to_dict() if choice is not None else None,
+            }  # fmt: skip
             if inputs:
                 data["carried"] = inputs.to_dict()
             stages.start("save", f"{out} (the shards are written; its manifest, then the exchange)")
@@ -405,7 +440,7 @@ def convert_streamed(
             if passed or force:  # verified where it was written; it replaces the output only then
                 release_memory()
                 stages.start("verify", f"{out} by a fresh load (streamed)")
-                verified = _guarded(lambda: verify_streamed(built, expected, trusted), source)
+                verified = _guarded(lambda: verify_streamed(built, expected, trusted, device), source)
                 stages.stop()
                 verified.path = str(out)
                 data["verify"] = verified.to_dict()
@@ -430,6 +465,15 @@ def convert_streamed(
         dist.barrier()
         if dist.is_main():
             stage.close()
+
+
+def device_peak(device: torch.device | str) -> dict[str, int]:
+    """``{"peak_device_bytes": N}``: the most memory torch allocated on a CUDA ``device`` so far; ``{}``
+    elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    return {"peak_device_bytes": int(torch.cuda.max_memory_allocated(device))}
 
 
 def _values(model: torch.nn.Module, name: str) -> torch.Tensor:

@@ -44,6 +44,14 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def device(target: torch.device) -> torch.device:
+    """This process's device for ``target``: under ``accelerate launch`` each process takes the GPU of its
+    local rank (``LOCAL_RANK``); alone, or on the CPU, ``target`` itself."""
+    if target.type == "cpu" or world_size() <= 1:
+        return target
+    return torch.device(target.type, int(os.environ.get("LOCAL_RANK", rank())))
+
+
 def barrier() -> None:
     group = _group()
     if group:

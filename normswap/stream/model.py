@@ -19,6 +19,7 @@ the in-memory path on several architectures).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,25 +44,49 @@ def is_released(t: torch.Tensor) -> bool:
 class StreamedParameter(nn.Parameter):
     """A Parameter whose bytes may be released; it knows the checkpoint tensor they come from.
 
-    ``copy.deepcopy`` (the probe copies candidate modules) returns a plain Parameter holding the real
-    values, read from disk when released, as a deep copy of the in-memory model's Parameter would.
+    Attributes:
+        stream_key: the checkpoint tensor its values are read from.
+        stream_reader: the ``CheckpointReader`` of that checkpoint.
+        stream_ops: transforms applied, in order, to the values as read (``Streamed.transform``: the
+            centering of a writer's weight, ...); each maps a tensor to a new one of the same shape, dtype
+            and device.
+
+    ``copy.deepcopy`` (the probe copies candidate modules, the fold plan reads consumer weights) returns a
+    plain Parameter holding the current values, read from disk and transformed when released, as a deep
+    copy of the in-memory model's Parameter would.
     """
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
-        if is_released(self):
-            data = self.stream_reader.read(self.stream_key, self.dtype, self.device)
-        else:
-            data = self.data.clone()
+        data = values(self) if is_released(self) else self.data.clone()
         memo[id(self)] = result = nn.Parameter(data, requires_grad=self.requires_grad)
         return result
 
 
-def stand_in(shape, dtype: torch.dtype, device, key: str, reader: CheckpointReader) -> StreamedParameter:
-    """A released ``StreamedParameter`` for checkpoint tensor ``key``."""
+def values(p: StreamedParameter) -> torch.Tensor:
+    """The values of a released ``p`` on ``p.device``: its checkpoint tensor read in the dtype the model was
+    built in (``p.stream_dtype``), ``p.stream_ops`` applied, then cast to ``p.dtype`` where that differs
+    (``normswap.check.upcast`` holds a half-precision model in float32: exact, as in memory)."""
+    t = p.stream_reader.read(p.stream_key, p.stream_dtype, p.device)
+    for op in p.stream_ops:
+        t = op(t)
+    return t if t.dtype == p.dtype or not t.is_floating_point() else t.to(p.dtype)
+
+
+def stand_in(
+    shape, dtype: torch.dtype, device, key: str, reader: CheckpointReader, ops=()
+) -> StreamedParameter:
+    """A released ``StreamedParameter`` for checkpoint tensor ``key`` (with the transforms ``ops``)."""
     p = StreamedParameter(placeholder(shape, dtype, device), requires_grad=False)
-    p.stream_key, p.stream_reader = key, reader
+    p.stream_key, p.stream_reader, p.stream_ops, p.stream_dtype = key, reader, list(ops), dtype
+    return p
+
+
+def resident(data: torch.Tensor, key: str, reader: CheckpointReader) -> StreamedParameter:
+    """A ``StreamedParameter`` holding ``data`` (read from ``key``) for good: a norm scale, a bias."""
+    p = StreamedParameter(data, requires_grad=False)
+    p.stream_key, p.stream_reader, p.stream_ops, p.stream_dtype = key, reader, [], data.dtype
     return p
 
 
@@ -77,6 +102,10 @@ class Streamed:
         skipped: checkpoint tensors the model class does not hold and transformers' loader drops by design
             (``normswap.io.carry.loader_ignores``: a multi-token-prediction layer), in checkpoint order; the
             conversion writes them unchanged.
+        held, peak: bytes of weights on the model's device now, and at most so far (the resident 1-D
+            parameters and buffers, plus the weights of the modules running).
+        loaded_as: checkpoint tensor name -> the model tensor name it loads as (``checkpoint_names``).
+        saved_name: a model tensor name -> the name ``save_pretrained`` writes it under.
     """
 
     model: nn.Module
@@ -84,30 +113,108 @@ class Streamed:
     keys: dict[str, str]
     handles: list = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    held: int = 0
+    peak: int = 0
+    loaded_as: dict[str, str] = field(default_factory=dict)
+    saved_name: Callable[[str], str] = staticmethod(lambda name: name)
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
 
+    def load(self, module: nn.Module, attrs) -> None:
+        """Read the released parameters ``attrs`` of ``module`` (its forward pre-hook)."""
+        for attr in attrs:
+            p = module._parameters[attr]
+            if isinstance(p, StreamedParameter) and is_released(p):
+                p.data = values(p)
+                self.held += _nbytes(p)
+        self.peak = max(self.peak, self.held)
+
+    def release(self, module: nn.Module, attrs) -> None:
+        """Release the parameters ``attrs`` of ``module`` again (its forward hook)."""
+        for attr in attrs:
+            p = module._parameters[attr]
+            if not is_released(p):
+                self.held -= _nbytes(p)
+                p.untyped_storage().resize_(0)  # frees the bytes even where the trace keeps a view
+
     def copy(self, name: str, old: nn.Parameter) -> nn.Parameter:
-        """A new placeholder Parameter for ``name`` read from the same checkpoint tensor as ``old``: the
-        ``copy`` that ``normswap.fold.untie_parameters`` gives an untied Parameter of a streamed model."""
-        return stand_in(old.shape, old.dtype, old.device, self.keys[name], self.reader)
+        """A new Parameter for ``name`` with ``old``'s values: the ``copy`` that
+        ``normswap.fold.untie_parameters`` (and centering's untie) gives an untied Parameter of a streamed
+        model. A released ``old`` gives a placeholder read from the same checkpoint tensor with the same
+        transforms so far; a resident one, a clone."""
+        if not is_released(old):
+            p = resident(old.detach().clone(), self.keys[name], self.reader)
+        else:
+            p = stand_in(
+                old.shape, old.stream_dtype, old.device, self.keys[name], self.reader, old.stream_ops
+            )
+        p.requires_grad_(old.requires_grad)
+        return p
 
+    def transform(self, p: nn.Parameter, op) -> None:
+        """Make ``op`` (a tensor -> new tensor of the same shape, dtype and device) part of ``p``'s values.
 
-def _load(module: nn.Module, attrs: dict[str, str], reader: CheckpointReader) -> None:
-    for attr, key in attrs.items():
-        p = module._parameters[attr]
-        if is_released(p):
-            p.data = reader.read(key, p.dtype, p.device)
+        A released ``p`` applies it every time its values are read (each forward, each deep copy, the
+        written output); a resident one gets ``op(p)`` now, and keeps ``op`` for the record. This is how an
+        in-place change of the in-memory pipeline (centering a writer's weight, ...) is streamed: the same
+        function on the same values gives the same bytes.
 
-
-def _release(module: nn.Module, attrs: dict[str, str]) -> None:
-    for attr in attrs:
-        p = module._parameters[attr]
+        Raises:
+            ValueError: ``p`` is not a parameter of this streamed model.
+        """
+        if not isinstance(p, StreamedParameter):
+            raise ValueError("not a parameter of a streamed model")
         if not is_released(p):
-            p.untyped_storage().resize_(0)  # frees the bytes even where the trace keeps a view
+            with torch.no_grad():
+                p.data = op(p.data)
+        p.stream_ops.append(op)
+
+
+def checkpoint_names(model: nn.Module, tensors) -> tuple[dict[str, str], Callable[[str], str]]:
+    """Which checkpoint tensor each model tensor is, as transformers renames them on loading.
+
+    transformers 5 renames some checkpoints' tensors as it loads them and back as it saves
+    (``transformers.conversion_mapping``: GPT-NeoX's ``embed_out`` is the model's ``lm_head``; legacy
+    ``gamma``/``beta``). Pure renamings are followed here; a tensor that transformers converts (stacks,
+    splits, concatenates: Mixtral's per-expert weights) keeps its own name, so the model tensor it becomes
+    is missing and ``build`` refuses the checkpoint in one line.
+
+    Returns:
+        ``(model tensor name -> checkpoint name for every checkpoint tensor, saved_name)`` where
+        ``saved_name(model tensor name)`` is the name ``save_pretrained`` writes it under.
+    """
+    identity = {name: name for name in tensors}
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # another transformers layout: names as stored
+        return identity, lambda name: name
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    if not renamings:
+        return identity, lambda name: name
+    meta = dict.fromkeys(model.state_dict(keep_vars=True))
+    prefix = getattr(model, "base_model_prefix", None)
+    loaded: dict[str, str] = {}
+    for key in tensors:
+        renamed, converted = rename_source_key(key, renamings, converters, prefix, meta)
+        loaded[key if converted is not None or renamed not in meta else renamed] = key
+    undo = [c.reverse_transform() for c in reversed(conversions) if isinstance(c, WeightRenaming)]
+
+    def saved_name(name: str) -> str:
+        for renaming in undo:
+            name, _ = renaming.rename_source_key(name)
+        return name
+
+    return loaded, saved_name
+
+
+def _nbytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
 
 
 def build(
@@ -136,20 +243,21 @@ def build(
 
     from normswap.io.carry import loader_ignores
 
-    with init_empty_weights():
+    with torch.device("cpu"), init_empty_weights():  # buffers made at construction: on the CPU, then moved
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()
     model.eval()
     keys: dict[str, str] = {}
     source = str(reader.folder)
+    loaded, saved = checkpoint_names(model, reader.tensors)
     by_object: dict[int, str] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for attr, p in module._parameters.items():
             if p is None:
                 continue
             name = f"{mod_name}.{attr}" if mod_name else attr
-            if id(p) not in by_object and name in reader.tensors:
-                by_object[id(p)] = name
+            if id(p) not in by_object and name in loaded:
+                by_object[id(p)] = loaded[name]
     for name, p in model.named_parameters(remove_duplicate=False):
         key = by_object.get(id(p))
         if key is None:
@@ -165,8 +273,8 @@ def build(
     for mod_name, module in model.named_modules():
         for attr, b in module._buffers.items():
             name = f"{mod_name}.{attr}" if mod_name else attr
-            if b is not None and attr not in module._non_persistent_buffers_set and name in reader.tensors:
-                persistent[name] = (module, attr)
+            if b is not None and attr not in module._non_persistent_buffers_set and name in loaded:
+                persistent[loaded[name]] = (module, attr, name)
     extra = set(reader.tensors) - set(keys.values()) - set(persistent)
     skipped = loader_ignores(model, extra)
     unexpected = sorted(extra - skipped)
@@ -175,11 +283,16 @@ def build(
             f"{source}: the checkpoint has tensor {unexpected[0]}, which the model does not expect"
         )
     with torch.no_grad():
-        for name, (module, attr) in persistent.items():
-            module._buffers[attr] = reader.read(name, module._buffers[attr].dtype, device)
-            keys[name] = name
+        for module in model.modules():  # buffers computed at construction (rotary frequencies, masks)
+            for attr, b in module._buffers.items():
+                if b is not None and b.device != torch.device(device):
+                    module._buffers[attr] = b.to(device)
+        for key, (module, attr, name) in persistent.items():
+            module._buffers[attr] = reader.read(key, module._buffers[attr].dtype, device)
+            keys[name] = key
     order = {name: (info.file, info.start) for name, info in reader.tensors.items()}
-    streamed = Streamed(model, reader, keys, skipped=sorted(skipped, key=order.__getitem__))
+    streamed = Streamed(model, reader, keys, skipped=sorted(skipped, key=order.__getitem__),
+                        loaded_as={v: k for k, v in loaded.items()}, saved_name=saved)  # fmt: skip
     replaced: dict[int, nn.Parameter] = {}  # id of the meta Parameter -> its stand-in (tied ones stay shared)
     for mod_name, module in model.named_modules(remove_duplicate=False):
         attrs = {}
@@ -189,9 +302,7 @@ def build(
             name = f"{mod_name}.{attr}" if mod_name else attr
             if id(p) not in replaced:
                 if p.ndim <= 1:
-                    replaced[id(p)] = nn.Parameter(
-                        reader.read(keys[name], dtype, device), requires_grad=False
-                    )
+                    replaced[id(p)] = resident(reader.read(keys[name], dtype, device), keys[name], reader)
                 else:
                     replaced[id(p)] = stand_in(p.shape, dtype, device, keys[name], reader)
             module._parameters[attr] = replaced[id(p)]
@@ -199,7 +310,9 @@ def build(
                 attrs[attr] = keys[name]
         if attrs:
             streamed.handles.append(module.register_forward_pre_hook(
-                lambda m, args, attrs=attrs: _load(m, attrs, reader)))  # fmt: skip
+                lambda m, args, attrs=attrs: streamed.load(m, attrs)))  # fmt: skip
             streamed.handles.append(module.register_forward_hook(
-                lambda m, args, out, attrs=attrs: _release(m, attrs)))  # fmt: skip
+                lambda m, args, out, attrs=attrs: streamed.release(m, attrs)))  # fmt: skip
+    resident_tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if not is_released(t)}
+    streamed.held = streamed.peak = sum(_nbytes(t) for t in resident_tensors.values())
     return streamed

@@ -1,8 +1,13 @@
-"""The fold plan of ``normswap.fold`` as operations on checkpoint tensors, and the output shard layout.
+"""The conversion of a streamed model as operations on checkpoint tensors, and the output shard layout.
 
-``normswap.fold.fold_site`` changes Parameters in memory; here the same arithmetic (``scale_axis_``,
-``bias_delta``, the identity fill) is applied to each tensor as it is read from a shard, so the written
-tensors are bit-identical to what the in-memory path saves.
+``normswap.fold.fold_site`` (and centering, ``normswap.center``) change Parameters in memory; here the same
+arithmetic is applied to each tensor as it is read from a shard, so the written tensors are bit-identical to
+what the in-memory path saves:
+
+* the transforms of the streamed model (``Streamed.transform``: centering a writer's weight, rewriting an
+  embedding table), in the order they were made;
+* then the fold: ``bias_delta`` into a consumer bias, ``scale_axis_`` along a consumer weight's input axis,
+  the identity fill of a folded norm (the functions ``fold_site`` uses).
 """
 
 from __future__ import annotations
@@ -13,45 +18,96 @@ import torch
 
 from normswap.errors import NormswapError
 from normswap.fold import FoldPlan, bias_delta, distinct_consumers, scale_and_shift, scale_axis_
-from normswap.stream.model import Streamed
+from normswap.stream.model import Streamed, StreamedParameter, is_released
 from normswap.stream.shards import CheckpointReader
 
 
 @dataclass
 class TensorPlan:
-    """How one output tensor is made from a checkpoint tensor.
+    """How one output tensor is made.
 
     Attributes:
-        source: the checkpoint tensor it is read from.
+        source: the checkpoint tensor it is read from, or None for a tensor the conversion added (a zero
+            bias a config flag adds); ``value`` then holds it.
+        dtype, shape: the output tensor's.
+        ops: the streamed model's transforms of its values (``StreamedParameter.stream_ops``), in order.
+        value: the current values of a parameter held in memory (norm scales, biases: small), used instead
+            of reading ``source`` and applying ``ops`` (which gave it).
         scales: ``(axis, float64 scale)`` to multiply in, in order (``fold.scale_axis_``).
         shift: ``(weight's output name, float64 norm bias, axis)`` whose ``W b`` this bias absorbs.
         fill: the norm identity value (``1 - offset`` for a weight, 0 for a bias), or None.
     """
 
-    source: str
+    source: str | None
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    ops: list = field(default_factory=list)
+    value: torch.Tensor | None = None
     scales: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     shift: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
     fill: float | None = None
 
 
-def tensor_plans(streamed: Streamed, folding: FoldPlan, untied: list[str]) -> dict[str, TensorPlan]:
-    """One ``TensorPlan`` per output tensor: every checkpoint tensor, plus each untied Parameter (read from
-    the tensor it was tied to), with ``folding``'s sites applied.
+def output_dtype(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a checkpoint tensor is converted in: ``dtype`` for floating tensors, its own otherwise."""
+    own = reader.tensors[name].dtype
+    return dtype if own.is_floating_point else own
+
+
+def output_names(streamed: Streamed) -> dict[str, torch.Tensor | None]:
+    """Output tensor name -> the model's Parameter it holds (None for a checkpoint buffer), in the model's
+    parameter order.
+
+    A Parameter is written under its checkpoint name while it still holds the model name that name loads
+    as; an untied copy (``lm_head.weight`` after untying) or a parameter the conversion added, under the
+    name ``save_pretrained`` gives its own (``Streamed.saved_name``).
+    """
+    model = streamed.model
+    holder = dict(model.named_parameters(remove_duplicate=False))
+    names: dict[str, torch.Tensor | None] = {}
+    for name, p in model.named_parameters():
+        key = getattr(p, "stream_key", None)
+        mine = key is not None and holder.get(streamed.loaded_as.get(key, key)) is p
+        names[key if mine else streamed.saved_name(name)] = p
+    for key in streamed.reader.tensors:
+        if key not in names and key not in holder:  # a persistent buffer
+            names[key] = None
+    return names
+
+
+def tensor_plans(streamed: Streamed, folding: FoldPlan, dtype: torch.dtype) -> dict[str, TensorPlan]:
+    """One ``TensorPlan`` per output tensor (``output_names``), with ``folding``'s sites applied.
+
+    Args:
+        streamed: the model, converted as far as fold (centered, untied: ``Streamed.transform``).
+        folding: ``normswap.fold.plan`` of it.
+        dtype: the dtype the model was built in (floating checkpoint tensors are converted to it).
 
     Raises:
         NormswapError: a plan this module does not reproduce exactly (one weight scaled along two axes
             while its bias absorbs a shift).
     """
-    keys = streamed.keys
-    plans = {name: TensorPlan(name) for name in streamed.reader.tensors}
-    for name in untied:
-        plans[name] = TensorPlan(keys[name])
+    reader, model = streamed.reader, streamed.model
+    names = output_names(streamed)
+    plans: dict[str, TensorPlan] = {}
+    where: dict[int, str] = {}  # id(Parameter) -> output name
+    for name, p in names.items():
+        if p is None:
+            plans[name] = TensorPlan(name, output_dtype(reader, name, dtype), reader.tensors[name].shape)
+            continue
+        where[id(p)] = name
+        if isinstance(p, StreamedParameter) and is_released(p):
+            plans[name] = TensorPlan(p.stream_key, output_dtype(reader, p.stream_key, dtype), tuple(p.shape),
+                                     ops=list(p.stream_ops))  # fmt: skip
+        else:  # held in memory, with every transform applied
+            key = getattr(p, "stream_key", None)
+            plans[name] = TensorPlan(key, p.dtype, tuple(p.shape), value=p.detach())
 
     def out(param: str) -> str:
-        return param if param in untied else keys[param]
+        return where[id(model.get_parameter(param))]
 
     for site in folding.sites:
-        norm = streamed.model.get_submodule(site.name)
+        norm = model.get_submodule(site.name)
         scale, shift = scale_and_shift(site, norm)
         for c in distinct_consumers(site):
             weight = plans[out(c.param)]
@@ -61,45 +117,54 @@ def tensor_plans(streamed: Streamed, folding: FoldPlan, untied: list[str]) -> di
                 plans[out(c.bias)].shift.append((out(c.param), shift, c.axis))
             weight.scales.append((c.axis, scale))
         if site.weight:
-            plans[keys[f"{site.name}.{site.weight}"]].fill = 1.0 - site.offset
+            plans[out(f"{site.name}.{site.weight}")].fill = 1.0 - site.offset
         if site.bias:
-            plans[keys[f"{site.name}.{site.bias}"]].fill = 0.0
+            plans[out(f"{site.name}.{site.bias}")].fill = 0.0
     return plans
 
 
-def output_dtype(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a checkpoint tensor is converted in: ``dtype`` for floating tensors, its own otherwise."""
-    own = reader.tensors[name].dtype
-    return dtype if own.is_floating_point else own
-
-
-def layout(reader: CheckpointReader, plans: dict[str, TensorPlan], dtype: torch.dtype):
-    """``{file: [(name, dtype, shape), ...]}``: the input's shard files and order; each untied tensor goes
-    right after the tensor it was read from."""
-    extra: dict[str, list[str]] = {}
+def layout(reader: CheckpointReader, plans: dict[str, TensorPlan]):
+    """``{file: [(name, dtype, shape), ...]}``: the input's shard files and order. A tensor read from
+    another's checkpoint tensor (an untied copy) goes right after it; one the conversion added, right after
+    the last tensor of its module (else at the end of the last file)."""
+    after: dict[str, list[str]] = {}
     for name, tp in plans.items():
-        if name not in reader.tensors:
-            extra.setdefault(tp.source, []).append(name)
+        if name in reader.tensors:
+            continue
+        anchor = tp.source if tp.source in reader.tensors else None
+        if anchor is None:
+            module = name.rpartition(".")[0]
+            anchor = next((n for n in reversed(list(reader.tensors)) if n.rpartition(".")[0] == module), None)
+        after.setdefault(anchor, []).append(name)
     files = {}
-    for file in reader.files:
+    for i, file in enumerate(reader.files):
         entries = []
-        for name in reader.names_in(file):
-            for n in [name, *extra.get(name, [])]:
-                source = plans[n].source
-                entries.append((n, output_dtype(reader, source, dtype), reader.tensors[source].shape))
+        names = reader.names_in(file) + (after.get(None, []) if i == len(reader.files) - 1 else [])
+        for name in names:
+            for n in [name, *after.get(name, [])] if name in reader.tensors else [name]:
+                entries.append((n, plans[n].dtype, plans[n].shape))
         files[file] = entries
     return files
 
 
+def base(reader: CheckpointReader, tp: TensorPlan, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A tensor's values before the fold: ``value`` copied, or ``source`` read with ``ops`` applied."""
+    if tp.value is not None:
+        return tp.value.to(device, copy=True)
+    t = reader.read(tp.source, tp.dtype, device)
+    for op in tp.ops:
+        t = op(t)
+    return t
+
+
 @torch.no_grad()
-def make_tensor(reader: CheckpointReader, plans: dict[str, TensorPlan], name: str, dtype: torch.dtype,
+def make_tensor(reader: CheckpointReader, plans: dict[str, TensorPlan], name: str,
                 device: torch.device | str = "cpu") -> torch.Tensor:  # fmt: skip
-    """Read output tensor ``name``'s source and apply its plan (as ``normswap.fold.fold_site`` does)."""
+    """Output tensor ``name``: its ``base``, then the fold (as ``normswap.fold.fold_site`` does)."""
     tp = plans[name]
-    t = reader.read(tp.source, output_dtype(reader, tp.source, dtype), device)
+    t = base(reader, tp, device)
     for weight_name, shift, axis in tp.shift:
-        source = plans[weight_name].source
-        weight = reader.read(source, output_dtype(reader, source, dtype), device)
+        weight = base(reader, plans[weight_name], device)
         delta = bias_delta(weight, shift, axis)
         del weight
         if delta.shape != t.shape:

@@ -44,7 +44,7 @@ class DiskRecords(MutableMapping):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         start, dtype, shape = self._where[key]
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device="cpu")
         if out.numel():
             self._file.seek(start)
             self._file.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))

@@ -57,7 +57,7 @@ def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
         n *= s
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize
 
 
 def _header(path: Path) -> dict:
@@ -157,7 +157,7 @@ class CheckpointReader:
         """
         info = self.tensors[name]
         path = self.folder / info.file
-        raw = torch.empty(info.shape, dtype=info.dtype)
+        raw = torch.empty(info.shape, dtype=info.dtype, device="cpu")  # read into host memory
         try:  # plain reads, not a memory map: mapped pages would count as resident until unmapped
             with open(path, "rb") as f:
                 f.seek(info.start)

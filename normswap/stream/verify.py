@@ -104,11 +104,13 @@ def _check_tensors(reader, expected: Expected) -> list[str]:
     return failures
 
 
-def verify_streamed(path: str | Path, expected: Expected, trust_remote_code: bool = False) -> VerifyResult:
+def verify_streamed(
+    path: str | Path, expected: Expected, trust_remote_code: bool = False, device: torch.device | str = "cpu"
+) -> VerifyResult:
     """Open the output directory ``path`` afresh and compare it with ``expected`` (see the module docstring).
 
     Memory: one tensor at a time for the digests; the streamed model (its 1-D parameters and one module's
-    weights) for the outputs.
+    weights, on ``device``, where the checked model ran) for the outputs.
 
     Returns:
         ``VerifyResult`` (``passed`` False with ``failures`` on any mismatch, including an output that no
@@ -128,7 +130,7 @@ def verify_streamed(path: str | Path, expected: Expected, trust_remote_code: boo
         reader = CheckpointReader(path)
         failures += _check_tensors(reader, expected)
         config = load_config(resolve(str(path), download=False), trust_remote_code=trust_remote_code)
-        fresh = build(config, reader, expected.dtype, trust_remote_code=trust_remote_code)
+        fresh = build(config, reader, expected.dtype, device, trust_remote_code=trust_remote_code)
     except NormswapError as error:
         failures.append(f"the saved checkpoint does not load: {error}")
         fresh = None
