@@ -35,7 +35,6 @@ import copy
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -44,19 +43,6 @@ import click
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("float", "W4 per channel", "W4 g64", "A8", "A6", "A4")
-
-
-def _machine() -> dict:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": sys.version.split()[0]}  # fmt: skip
 
 
 def held_text() -> str:
@@ -252,6 +238,7 @@ def markdown(name: str, results: dict, note: str) -> str:
 def main(model, tokens, ln_steps, skip_model, out):
     import torch
 
+    from normswap.bench import report as bench_report
     from normswap.io import load_model
 
     torch.manual_seed(0)
@@ -275,8 +262,9 @@ def main(model, tokens, ln_steps, skip_model, out):
         click.echo(markdown(name, *runs[name]) + "\n")
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python benchmarks/bench_rotation.py " + " ".join(sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(),
-            "tokens": tokens, "seconds": round(time.time() - started)}  # fmt: skip
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": bench_report.machine_info(), "tokens": tokens,
+            "seconds": round(time.time() - started)}  # fmt: skip
     data = {"meta": meta, "runs": {k: {"results": r, "note": n} for k, (r, n) in runs.items()}}
     (out / "rotation.json").write_text(json.dumps(data, indent=1))
     table = "\n\n".join(markdown(k, r, n) for k, (r, n) in runs.items())
