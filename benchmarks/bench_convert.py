@@ -217,11 +217,13 @@ def floor_forwards(model: str, streamed: bool, tokens: int = 512) -> dict:
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results")
 @click.option("--no-floor", is_flag=True, help="Skip the floor measurements.")
 @click.option("--streamed-floor", is_flag=True, help="Measure the floor's forwards streamed.")
-@click.option("--keep", is_flag=True, help="Keep the last run's output directory (WORK/out).")
+@click.option("--keep", is_flag=True, help="Keep the last run's output directory (WORK/run-*/out).")
 def main(model, name, runs, extra, work, out, no_floor, streamed_floor, keep):
     """Time `normswap convert MODEL` by stage (median of --runs) and its floor."""
     name = name or Path(model.rstrip("/")).name
-    work.mkdir(parents=True, exist_ok=True)
+    from normswap.bench.report import run_folder
+
+    work = run_folder(work)  # everything deleted below was written into this new folder
     results = []
     for i in range(runs):
         target, report = work / "out", work / "report.json"
@@ -250,8 +252,10 @@ def main(model, name, runs, extra, work, out, no_floor, streamed_floor, keep):
         floor["write_s"] = floor_write(work, floor["written_bytes"])
         floor["forwards_s"] = floor_forwards(model, streamed_floor)
         floor["total_s"] = floor["read_s"] + floor["write_s"] + floor["forwards_s"]["total"]
-    if not keep:
-        shutil.rmtree(work / "out", ignore_errors=True)
+    if keep:
+        click.echo(f"kept the last run's output: {work / 'out'}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     result = {
         "model": model,
         "extra": extra,

@@ -69,7 +69,9 @@ def _load_average() -> float:
 @click.option("--append", is_flag=True, help="Add the rows to those of --out's memory.json.")
 def main(cases, work, out, append):
     """Estimate vs measured in-memory peak, one conversion per case."""
-    work.mkdir(parents=True, exist_ok=True)
+    from normswap.bench.report import run_folder
+
+    work = run_folder(work)  # everything deleted below was written into this new folder
     rows = json.loads((out / "memory.json").read_text()) if append and (out / "memory.json").is_file() else []
     for case in map(_case, cases.split(",")):
         src, dst = work / "src", work / "out"
@@ -122,6 +124,7 @@ def main(cases, work, out, append):
         rows.append(row)
         shutil.rmtree(src, ignore_errors=True)
         shutil.rmtree(dst, ignore_errors=True)
+    work.rmdir()
     out.mkdir(parents=True, exist_ok=True)
     (out / "memory.json").write_text(json.dumps(rows, indent=2) + "\n")
     lines = [

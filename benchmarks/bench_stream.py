@@ -132,7 +132,9 @@ def _plot(rows: list[dict], path: Path) -> bool:
               help="A previous stream.json whose rows this run did not measure are kept.")  # fmt: skip
 def main(sizes, work, out, budget, acceptance, modes, merge):
     """Measure peak RSS and time, in memory vs streamed, and write the table (and plot)."""
-    work.mkdir(parents=True, exist_ok=True)
+    from normswap.bench.report import run_folder
+
+    work = run_folder(work)  # everything deleted below was written into this new folder
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     runs = [("small", float(s), None) for s in sizes.split(",") if s]
@@ -159,6 +161,7 @@ def main(sizes, work, out, budget, acceptance, modes, merge):
             shutil.rmtree(target, ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
         (out / "stream.json").write_text(json.dumps(rows, indent=2) + "\n")
+    work.rmdir()
     if merge is not None:
 
         def key(r):

@@ -84,9 +84,7 @@ print("gpu_check: torch", torch.__version__, "transformers", transformers.__vers
 PY
 mkdir -p "$OUT"
 : >"$OUT/summary.txt"
-MODELS="$OUT/models"
-rm -rf "$MODELS"
-mkdir -p "$MODELS"
+MODELS=$(mktemp -d "$OUT/models.XXXXXX")  # a new folder: the clean-ups below delete only what this run wrote
 SITE=$(mktemp -d)
 trap 'rm -rf "$SITE"' EXIT
 

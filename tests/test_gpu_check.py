@@ -50,7 +50,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert compiled["graph_breaks"] == 0 and compiled["converted"]["unique_graphs"] >= 1
     assert compiled["unique_graphs_after_timing"] == compiled["unique_graphs_after_warmup"]  # no recompile
     assert timings["decode_compiled"]["converted_ms"] > 0
-    assert not (tmp_path / "out" / "models").exists()  # the generated checkpoints are removed
+    assert not list((tmp_path / "out").glob("models*"))  # the generated checkpoints are removed
 
 
 def test_gpu_check_time_budget(tmp_path):
@@ -58,7 +58,12 @@ def test_gpu_check_time_budget(tmp_path):
     with the PARTS to run it by."""
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DEVICE": "cpu", "SIZE": "tiny", "PARTS": "llama zoo"}
     env["BUDGET_S"] = "100"  # llama's limit is 120 s
+    mine = tmp_path / "out" / "models" / "notes.txt"  # a user's folder where older scripts put their models
+    mine.parent.mkdir(parents=True)
+    mine.write_text("not the script's")
     proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    assert mine.read_text() == "not the script's"
+    assert [p.name for p in (tmp_path / "out").glob("models*")] == ["models"]  # its own folder is removed
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "SKIP llama: time budget" in summary and "rerun with PARTS=llama" in summary
     assert "SKIP zoo: time budget" in summary

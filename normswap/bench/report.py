@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import os
 import platform
+import tempfile
 from pathlib import Path
 
 import torch
 
 from normswap.io.files import write_json, write_text
+
+
+def run_folder(work: Path) -> Path:
+    """A new, empty folder inside ``work`` (created, with ``work``) for one benchmark run.
+
+    Benchmarks delete their checkpoints and outputs as they go; doing that only inside a folder made for the
+    run means a ``--work`` pointed at a folder that holds anything else loses nothing.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="run-", dir=work))
 
 
 def _cpuinfo(field: str) -> str | None:
