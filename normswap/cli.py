@@ -323,6 +323,8 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
     stages = _stages(output)  # before the imports: an interrupt names the output from the start
     from normswap import io
+    from normswap.center.inputs import original_embeds
+    from normswap.center.inputs import prove as prove_inputs_transform
     from normswap.check import compare, reference_outputs
     from normswap.convert import (
         KEEP_VS_CENTER,
@@ -380,7 +382,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     on = f"random {check_input['input']}" if "input" in check_input else f"{input_ids.shape[-1]} tokens"
     stages.start("reference", f"running the original on {on}")
     reference = reference_outputs(loaded.model, input_ids, sites=traced.sites)
-    embeds = _input_embeds(loaded.model, input_ids) if norm == "rmsnorm" and rotate is None else None
+    embeds = original_embeds(loaded.model, input_ids) if norm == "rmsnorm" and rotate is None else None
     stages.start("convert", "folding and swapping the norms" + (f", rotating ({rotate})" if rotate else ""))
     traced_with = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
     result = convert_model(loaded.model, norm=norm, untie=not no_untie, traced=traced, rotate=rotate,
@@ -391,7 +393,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     stages.start("check", "comparing the converted model's outputs with the original's")
     checked = compare(reference, loaded.model, input_ids, transform=stream_transform(result),
                       keep_hidden_states=keep_hidden_states)  # fmt: skip
-    extra_files = _inputs_transform(result, reference, loaded.model, embeds, checked)
+    extra_files = prove_inputs_transform(result.centering, reference, loaded.model, embeds, checked)
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)
     report_dict["check_input"] = check_input
@@ -434,38 +436,6 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
             f"normswap: {what}" + ("; saved anyway (--force)" if force else "; nothing saved"), err=True
         )
         raise SystemExit(1)
-
-
-def _input_embeds(model, input_ids):
-    """The original model's input embeddings of ``input_ids`` (to prove the ``inputs_embeds`` transform of a
-    centered model), or None when it has no input embedding module."""
-    import torch
-
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if embedding is None:
-        return None
-    with torch.no_grad():
-        return embedding(input_ids.to(next(embedding.parameters()).device)).cpu()
-
-
-def _inputs_transform(result, reference, model, embeds, checked) -> dict[str, str]:
-    """After centering: the ``inputs_embeds`` transform (``normswap.center.inputs``), proved on the check's
-    ids (the converted model given the transformed original embeddings reproduces the original's logits;
-    a failure fails the check), as the file to save beside the checkpoint; {} otherwise."""
-    from normswap.center import inputs
-    from normswap.check.core import compare_inputs_embeds
-    from normswap.io.files import to_json
-
-    transform = (result.centering or {}).get("inputs")
-    if not transform or embeds is None or transform.get("kind") == "unknown":
-        return {}
-    proof = compare_inputs_embeds(reference, model, inputs.apply(transform, embeds))
-    transform["verified"] = proof
-    if not proof["passed"]:
-        checked.passed = False
-        checked.failures.append(f"the inputs_embeds transform of {inputs.FILE} does not hold: "
-                                + "; ".join(proof["failures"]))  # fmt: skip
-    return {inputs.FILE: to_json(transform)}
 
 
 def _convert_streamed(model, output, report, max_memory, no_stream, *, device, device_map, tokenizer,

@@ -49,6 +49,12 @@ def test_centering_streamed_equals_in_memory(model_type, overrides, tokenizer, t
     assert kinds == {"rmsnorm"}, kinds  # every LayerNorm became an RMSNorm
     config = json.loads((streamed / "config.json").read_text())
     assert config == json.loads((memory / "config.json").read_text())  # flags set, ties undone, the same
+    # the inputs_embeds transform: written, proved on the check's ids, and the in-memory one
+    transform, expected = (json.loads((d / "centering.json").read_text()) for d in (streamed, memory))
+    assert transform["verified"]["passed"] and expected["verified"]["passed"]
+    assert transform["verified"]["max_abs_diff"] <= 2e-4  # float32's tolerance (check.policy)
+    del transform["verified"], expected["verified"]  # the streamed and in-memory forwards round apart
+    assert transform == expected and transform["kind"] in ("center", "rewrite", "none")
 
 
 def test_streamed_transform_is_applied_on_every_read(tokenizer, tmp_path):  # noqa: F811

@@ -106,6 +106,51 @@ def apply(transform: dict[str, Any], embeds: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unknown inputs_embeds transform {kind!r}")
 
 
+@torch.no_grad()
+def original_embeds(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """The original model's input embeddings of ``input_ids`` (``(B, T)`` ids -> ``(B, T, D)`` on the CPU, in
+    the model's dtype), taken before centering to prove the transform; None without an input embedding."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is None:
+        return None
+    return embedding(input_ids.to(next(embedding.parameters()).device)).cpu()
+
+
+def prove(centering: dict[str, Any] | None, reference, model: nn.Module, embeds, checked) -> dict[str, str]:
+    """Prove the ``inputs_embeds`` transform of a centered conversion on the check's ids, and give the file
+    to write beside the checkpoint.
+
+    The converted ``model`` given ``apply(transform, embeds)`` must reproduce ``reference``'s outputs
+    within the check's tolerance (``check.core.compare_inputs_embeds``); the result goes into the transform
+    as ``verified``, and a failure fails ``checked`` (a ``check.core.CheckResult``: ``passed`` set False, the
+    reason appended to ``failures``).
+
+    Args:
+        centering: the report's ``centering`` entry (``CenterResult.to_dict()``), or None (not centered).
+        reference: ``check.reference_outputs`` of the original on the check's ids.
+        model: the converted model (in memory or streamed).
+        embeds: ``original_embeds`` of the original, or None.
+        checked: the check's result for ``model``.
+
+    Returns:
+        ``{FILE: JSON text}``, or ``{}`` when there is nothing to write (not centered, no embedding table).
+    """
+    from normswap.check.core import compare_inputs_embeds
+    from normswap.io.files import to_json
+
+    transform = (centering or {}).get("inputs")
+    if not transform or embeds is None or transform.get("kind") == "unknown":
+        return {}
+    proof = compare_inputs_embeds(reference, model, apply(transform, embeds))
+    transform["verified"] = proof
+    if not proof["passed"]:
+        checked.passed = False
+        checked.failures.append(
+            f"the inputs_embeds transform of {FILE} does not hold: " + "; ".join(proof["failures"])
+        )
+    return {FILE: to_json(transform)}
+
+
 def save(folder: str | os.PathLike, transform: dict[str, Any]) -> Path:
     """Write ``transform`` as ``folder/centering.json`` (strict JSON); returns the path."""
     from normswap.io.files import to_json

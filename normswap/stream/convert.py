@@ -357,8 +357,12 @@ def convert_streamed(
         )
     release_memory()
     stages.start("convert", f"folding the norms into {len(source.reader.files)} shard(s) as they are written")
-    centered = None
+    centered = embeds = None
     if norm == "rmsnorm":
+        from normswap.center.inputs import original_embeds
+
+        if dist.is_main():  # to prove the inputs_embeds transform, read before centering changes the table
+            embeds = _guarded(lambda: original_embeds(streamed.model, input_ids), source)
         from normswap.stream.transforms import center
 
         progress.note("centering the LayerNorms' inputs (streamed) ...")
@@ -417,7 +421,15 @@ def convert_streamed(
                 ),
                 source,
             )
-            reference = None
+            if centered is not None:  # centering.json, proved on the check's ids as in memory
+                from normswap.center.inputs import prove
+
+                extra = _guarded(
+                    lambda: prove(report.centering, reference, converted.model, embeds, checked), source
+                )
+                for name, text in extra.items():
+                    files.write_text(built / name, text)
+            reference = embeds = None
             passed = bool(checked.passed)
             expected = None
             if passed or force:  # what the saved copy must reproduce

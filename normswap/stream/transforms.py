@@ -55,9 +55,11 @@ def center(streamed: Streamed, walk, inputs, *, untie: bool = True):
         normswap.center.CenteringError: as ``center`` (nothing changed).
     """
     from normswap.center import commit, plan_centering, prepare
+    from normswap.center.inputs import describe
 
     plan = plan_centering(streamed.model, walk, inputs, untie=untie, add_biases=True)
     if plan.result.note is None:
         actions = prepare(streamed.model, plan, copy=streamed.copy, defer=_defer(streamed), read=_read)
+        plan.result.inputs = describe(streamed.model, plan)  # as in memory: before the commit
         commit(streamed.model, walk, plan, actions)
     return plan.result
