@@ -327,7 +327,7 @@ def test_convert_smollm2(tmp_path):
 
 
 @pytest.mark.real
-@pytest.mark.slow  # ~2 min: the GGUF's 262k-token vocabulary is parsed twice; tiny gemma3 rows cover the kinds
+@pytest.mark.slow  # ~2 min (the GGUF vocabulary is parsed twice); tiny gemma3 rows cover the kinds
 def test_convert_gemma3(tmp_path):
     """Gemma 3: (1+w) norms fold where their output only feeds linears; sandwich and q/k norms are swapped
     only, each with its reason."""
