@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,27 +108,35 @@ def stream_transform(report: ConvertReport | dict, folder=None):
     from normswap.check.contract import centered, rotated
 
     data = report.to_dict() if hasattr(report, "to_dict") else report
-    rotation = getattr(report, "rotation", None)
-    if rotation is not None:
+    centering = data.get("centering") or {}
+    # the modules holding the parameters centering changed: "model.layers.0.mlp.down_proj.weight[0]",
+    # "model.layers.0.self_attn.q_proj.weight[0] x4 groups" (centered per head)
+    centered_writers = [
+        (w.split("[", 1)[0].rpartition(".")[0], " groups" in w) for w in centering.get("writers", [])
+    ]
+    writers = {m for m, grouped in centered_writers if not grouped}
+    per_group = {m for m, grouped in centered_writers if grouped}
+    rewritten = {t.split(" -> ", 1)[1].split(" ", 1)[0] for t in centering.get("tables", [])}
+    if data.get("rotation"):
         from normswap.rotate import ROTATION_FILE
 
-        return rotated(rotation.Q, rotation.centered, ROTATION_FILE)
-    if data.get("rotation") and folder is not None:
-        from pathlib import Path
+        rotation = data["rotation"]
+        writers |= {
+            t["name"].rpartition(".")[0] for t in rotation.get("tensors", []) if "output" in t["sides"]
+        }
+        rewritten |= set(rotation.get("table_norms", []))
+        q = getattr(getattr(report, "rotation", None), "Q", None)
+        if q is None:
+            path = None if folder is None else Path(folder) / ROTATION_FILE
+            if path is None or not path.is_file():
+                return None
+            from safetensors.torch import load_file
 
-        from safetensors.torch import load_file
-
-        from normswap.rotate import ROTATION_FILE
-
-        path = Path(folder) / ROTATION_FILE
-        if path.is_file():
-            return rotated(load_file(str(path))["Q"], bool(data["rotation"].get("centered")), ROTATION_FILE)
-        return None
-    centering = data.get("centering")
+            q = load_file(str(path))["Q"]
+        return rotated(q, bool(rotation.get("centered")), ROTATION_FILE, rewritten, writers, per_group)
     if not centering:
         return None
-    rewritten = [t.split(" -> ", 1)[1].split(" ", 1)[0] for t in centering.get("tables", [])]
-    return centered(FILE, rewritten)
+    return centered(FILE, rewritten, writers, per_group)
 
 
 def _model_name(model: nn.Module) -> str:

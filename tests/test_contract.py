@@ -418,6 +418,82 @@ def test_c37_localization_compares_like_with_like_after_centering(tmp_path, tiny
     assert divergence["layer"] == 1, divergence
 
 
+def _localized(entry_name: str, options: dict, perturb: bool):
+    """Convert the zoo row ``entry_name`` with ``options`` and compare it with its reference through the
+    check's localization (the CLI's route: sites, rotated reference, stream transform); with ``perturb``,
+    first scale every 7th entry of one consumer weight of layer 1 by 1.5."""
+    from normswap.check import compare, reference_outputs
+    from normswap.convert import stream_transform
+    from normswap.rotate import rotate_reference
+    from normswap.walk import walk
+    from normswap.zoo import ZOO, example_inputs
+    from normswap.zoo import tiny_model as zoo_model
+
+    entry = next(e for e in ZOO if e.name == entry_name)
+    model = zoo_model(entry.model_type, **entry.overrides)
+    ids = example_inputs(model)
+    traced = walk(model, ids)
+    reference = reference_outputs(model, ids, sites=traced.sites)
+    report = normswap.convert(model, input_ids=ids, traced=traced, **options)
+    if report.rotation is not None:
+        rotate_reference(reference, report.rotation)
+    if perturb:  # the first weight matrix of a consumer of a layer-1 norm, every 7th entry (not a scale a
+        # per-head norm after it would normalize away)
+        site = next(s for s in report.sites if s.consumers and ".1." in f".{s.name}.")
+        held = model.get_submodule(site.consumers[0].module)
+        weight = next(p for p in held.parameters(recurse=False) if p.ndim >= 2)
+        with torch.no_grad():
+            weight.view(-1)[::7] *= 1.5
+    return compare(reference, model, ids, sites=report.sites, transform=stream_transform(report))
+
+
+_LOCALIZED = [
+    "gpt2", "bloom", "phimoe", "dbrx", "cohere-qknorm", "persimmon", "gpt_oss", "qwen2_moe",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("options", [{"norm": "rmsnorm"}, {"rotate": "hadamard"}], ids=["center", "rotate"])
+@pytest.mark.parametrize("name", _LOCALIZED)
+def test_localization_after_centering_and_rotation(name, options):
+    """C37's whole kind: after centering or rotation, a correct conversion reports no divergence and a
+    consumer weight of layer 1 with every 7th entry scaled by 1.5 fails and is found at layer 1. The rows are the shapes that broke it:
+    fused MoE experts that read a norm and write the stream (phimoe, dbrx, gpt_oss, qwen2_moe), expert
+    outputs recorded as rows of selected tokens (dbrx), per-head q/k LayerNorms whose inputs centering
+    centers per head (cohere, persimmon), an embedding norm reading a rewritten table (bloom)."""
+    from normswap.center import CenteringError
+    from normswap.rotate import RotationError
+
+    try:
+        good = _localized(name, options, perturb=False)
+    except (CenteringError, RotationError) as refused:  # not this row's conversion: nothing to localize
+        pytest.skip(str(refused))
+    assert good.passed and good.divergence is None, good.divergence
+    bad = _localized(name, options, perturb=True)
+    assert not bad.passed and bad.divergence["layer"] == 1, bad.divergence
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"norm": "rmsnorm"}, {"rotate": "hadamard"}], ids=["center", "rotate"])
+def test_localization_after_centering_and_rotation_whole_zoo(options):
+    """Every zoo row that centers or rotates (token-id inputs): no divergence on the correct conversion."""
+    from normswap.center import CenteringError
+    from normswap.rotate import RotationError
+    from normswap.zoo import ZOO, example_inputs
+    from normswap.zoo import tiny_model as zoo_model
+
+    spurious = {}
+    for entry in ZOO:
+        if not isinstance(example_inputs(zoo_model(entry.model_type, **entry.overrides)), torch.Tensor):
+            continue
+        try:
+            result = _localized(entry.name, options, perturb=False)
+        except (CenteringError, RotationError):
+            continue
+        if result.divergence is not None or not result.passed:
+            spurious[entry.name] = result.divergence
+    assert not spurious, spurious
+
+
 @pytest.mark.parametrize(("model_type", "overrides", "kind"), [
     ("bloom", {}, "rewrite"), ("opt", {"word_embed_proj_dim": 32}, "none"), ("gpt_neox", {}, "center"),
 ])  # fmt: skip

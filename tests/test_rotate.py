@@ -259,13 +259,22 @@ def test_transform_does_not_depend_on_the_block_size(monkeypatch):
     assert torch.equal(whole, expected)
 
 
-def test_localization_maps_the_reference_through_q():
+@pytest.mark.parametrize(
+    "name, weight",
+    [
+        ("gpt2", "transformer.h.1.mlp.c_fc.weight"),
+        # fused experts read the norm and write the stream in one module: its output is a stream value
+        ("qwen2_moe", "model.layers.1.mlp.experts.gate_up_proj"),
+        ("gpt_oss", "model.layers.1.mlp.experts.gate_up_proj"),
+    ],
+)
+def test_localization_maps_the_reference_through_q(name, weight):
     """A correct rotation reports no divergence; a weight changed after the rotation is found at its layer."""
     from normswap.check import compare, reference_outputs
     from normswap.convert import stream_transform
     from normswap.rotate import rotate_reference
 
-    model = _entry("gpt2")
+    model = _entry(name)
     ids = example_ids(seq=32)
     traced = walk(model, ids)
     reference = reference_outputs(model, ids, sites=traced.sites)
@@ -277,7 +286,7 @@ def test_localization_maps_the_reference_through_q():
     rotated = [e for e in result.contract if e["relation"] == "rotated"]  # hidden states: h -> h Q
     assert rotated and all(e["status"] == "changed by design" for e in rotated)
     with torch.no_grad():
-        model.transformer.h[1].mlp.c_fc.weight.mul_(1.05)
+        model.get_parameter(weight).mul_(1.05)
     broken = compare(reference, model, ids, transform=transform)
     assert not broken.passed and broken.divergence["layer"] == 1
 

@@ -49,6 +49,12 @@ class StreamTransform:
         file: the file in the output directory that holds the transform (``centering.json``), or None.
         rewritten_inputs: norm sites whose *input* the conversion rewrites otherwise (BLOOM's embedding
             norm reads a rewritten table): localization does not compare those inputs.
+        writers: modules whose output is written into the stream; a norm's consumer among them (a fused
+            MoE experts module reads the norm and writes the stream) has its output compared through
+            ``apply`` too.
+        per_group: modules whose output centering centers per group (the heads a per-head LayerNorm reads,
+            Cohere's and Persimmon's q/k norms): ``apply`` does not map their whole output, so localization
+            compares the per-head norms' inputs after them instead.
     """
 
     name: str
@@ -56,38 +62,52 @@ class StreamTransform:
     apply: Callable[[torch.Tensor], torch.Tensor] = field(repr=False)
     file: str | None = None
     rewritten_inputs: frozenset[str] = frozenset()
+    writers: frozenset[str] = frozenset()
+    per_group: frozenset[str] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "reason": self.reason, "file": self.file}
 
 
-def centered(file: str | None = None, rewritten_inputs=()) -> StreamTransform:
-    """The centering of ``--norm rmsnorm``: every row minus its mean over the last (hidden) axis."""
+def centered(file: str | None = None, rewritten_inputs=(), writers=(), per_group=()) -> StreamTransform:
+    """The centering of ``--norm rmsnorm``: every row minus its mean over the last (hidden) axis;
+    ``writers`` and ``per_group`` as in ``StreamTransform``."""
     return StreamTransform(
         "centered",
         "the residual stream is centered: the original minus its mean over the hidden axis",
         lambda t: t - t.mean(-1, keepdim=True),
         file,
         frozenset(rewritten_inputs),
+        frozenset(writers),
+        frozenset(per_group),
     )
 
 
-def rotated(q: torch.Tensor, centered: bool, file: str | None = None) -> StreamTransform:
+def rotated(
+    q: torch.Tensor, centered: bool, file: str | None = None, rewritten_inputs=(), writers=(), per_group=()
+) -> StreamTransform:
     """The rotation of ``--rotate`` (``normswap.rotate``): ``h -> h Q`` for every row (after subtracting its
-    mean over the hidden axis for a centered, LayerNorm, model); ``q`` is the ``(hidden, hidden)`` matrix."""
+    mean over the hidden axis for a centered, LayerNorm, model); ``q`` is the ``(hidden, hidden)`` matrix;
+    the other arguments as in ``StreamTransform``."""
     q = q.detach().to("cpu", torch.float64)
 
     def apply(t: torch.Tensor) -> torch.Tensor:
         t = t.double()
-        if t.shape[-1] != q.shape[0]:
-            return t  # not the stream: left as it is, so the relation does not hold
-        if centered:
+        if centered:  # also a per-head norm's input, centered per head (not rotated)
             t = t - t.mean(-1, keepdim=True)
+        if t.shape[-1] != q.shape[0]:
+            return t  # not the stream: not rotated
         return t @ q
 
     centering = " minus its mean over the hidden axis," if centered else ""
     return StreamTransform(
-        "rotated", f"the residual stream is rotated: the original{centering} times Q", apply, file
+        "rotated",
+        f"the residual stream is rotated: the original{centering} times Q",
+        apply,
+        file,
+        frozenset(rewritten_inputs),
+        frozenset(writers),
+        frozenset(per_group),
     )
 
 

@@ -96,6 +96,8 @@ def _sample(t: torch.Tensor, batch: int, seq: int, positions: torch.Tensor) -> t
         return t[:, positions.to(t.device)].to("cpu", torch.float64)
     if t.ndim >= 1 and t.shape[0] == batch * seq:
         return t.reshape(batch, seq, *t.shape[1:])[:, positions.to(t.device)].to("cpu", torch.float64)
+    if t.ndim >= 2:  # whole rows (features last), so a per-row transform such as centering still applies
+        return t.reshape(-1, t.shape[-1])[: max(1, _MAX_FLAT // max(1, t.shape[-1]))].to("cpu", torch.float64)
     return t.reshape(-1)[:_MAX_FLAT].to("cpu", torch.float64)
 
 
@@ -166,6 +168,17 @@ def _action(site) -> str:
     return f"{text} ({site.reason})" if site.reason else text
 
 
+def _folded_since(site) -> bool:
+    """Whether a norm planned with its output probed (not foldable when the reference was taken) was folded
+    into its consumers by the conversion after all (centering gives a LayerNorm's bias a place to go)."""
+    return (
+        site is not None
+        and not isinstance(site, str)
+        and site.folded
+        and getattr(site, "producer", None) is None
+    )
+
+
 def rel_errors(ref: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """``||other - ref||_F / ||ref||_F`` per record key (``inf`` where missing or of another shape); reads
     one record of each at a time."""
@@ -200,7 +213,8 @@ def localize(
         transform: the conversion's change of the residual stream by design (``contract.StreamTransform``,
             e.g. centering): a norm's input or output, or a layer's output, also matches when it equals the
             transformed original (like with like); the inputs of ``transform.rewritten_inputs`` are not
-            compared. Consumer outputs never take it.
+            compared. Consumer outputs take it only where the consumer writes the stream
+            (``transform.writers``).
 
     Returns:
         ``None`` when every point matches, else a dict: ``site``, ``layer``, ``point`` (``"module:where"``),
@@ -216,8 +230,15 @@ def localize(
         module, rest = key.split(":", 1)
         where = rest.split("#", 1)[0]
         probe = by_key.get((module, where))
+        if probe is not None and probe.role == "norm output" and _folded_since(site_by_name.get(probe.site)):
+            continue  # its scale now lives in its consumers (whose outputs are compared): not comparable
+        if transform is not None and probe is not None and module in transform.per_group:
+            continue  # centered per head by design: the per-head norms' inputs are compared after it
         threshold = rtol + (k * own.get(key, 0.0) if own else 0.0)
-        stream = probe is not None and probe.role in ("norm input", "norm output", "layer output")
+        stream = probe is not None and (
+            probe.role in ("norm input", "norm output", "layer output")
+            or (transform is not None and probe.role == "consumer output" and module in transform.writers)
+        )
         if transform is not None and stream and rel > threshold:
             if probe.role == "norm input" and probe.site in transform.rewritten_inputs:
                 rel = 0.0  # rewritten by design (a table the norm reads); its output is compared

@@ -57,7 +57,9 @@ def rotate_reference(reference, rotation) -> int:
     divergence and a wrong one is still found where it starts.
 
     Mapped: the input of every stream norm and every decoder layer's output (the residual stream:
-    ``Rotation.hidden_states``), the output of a stream norm that is not folded (``y -> (y / g) Q`` for a norm
+    ``Rotation.hidden_states``), the output of a consumer that also writes into the stream (a fused MoE
+    experts module reads the norm and its down projections write the stream: its output is a stream value,
+    mapped the same way), the output of a stream norm that is not folded (``y -> (y / g) Q`` for a norm
     that keeps its bias ``b / g``, ``y -> y Q`` for a weightless one), and with heads the output of each value
     projection (each head's features times ``H``). Records of another width are left alone.
 
@@ -72,6 +74,7 @@ def rotate_reference(reference, rotation) -> int:
         for target in plan.heads.targets:
             if target.side == "head output" and target.holder[1] != "bias":
                 heads[target.holder[0]] = target.groups
+    writers = {target.module for target in plan.writers if target.side == "output"}
     captures = reference.captures
     mapped = 0
     for probe in reference.probes:
@@ -79,7 +82,11 @@ def rotate_reference(reference, rotation) -> int:
         keys = [k for k in list(captures.keys()) if k.startswith(prefix)]
         for key in keys:
             x = captures[key]
-            on_stream = probe.role == "layer output" or (probe.role == "norm input" and probe.site in stream)
+            on_stream = (
+                probe.role == "layer output"
+                or (probe.role == "norm input" and probe.site in stream)
+                or (probe.role == "consumer output" and probe.module in writers and probe.module not in heads)
+            )
             if on_stream:
                 if x.shape[-1] == width:
                     captures[key] = rotation.hidden_states(x)
