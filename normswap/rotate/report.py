@@ -57,7 +57,8 @@ def rotate_reference(reference, rotation) -> int:
     divergence and a wrong one is still found where it starts.
 
     Mapped: the input of every stream norm and every decoder layer's output (the residual stream:
-    ``Rotation.hidden_states``), the output of a stream norm that is not folded (``y -> (y / g) Q`` for a norm
+    ``Rotation.hidden_states``), the output of a consumer module that also writes the stream (a fused MoE
+    experts module; likewise), the output of a stream norm that is not folded (``y -> (y / g) Q`` for a norm
     that keeps its bias ``b / g``, ``y -> y Q`` for a weightless one), and with heads the output of each value
     projection (each head's features times ``H``). Records of another width are left alone.
 
@@ -72,6 +73,9 @@ def rotate_reference(reference, rotation) -> int:
         for target in plan.heads.targets:
             if target.side == "head output" and target.holder[1] != "bias":
                 heads[target.holder[0]] = target.groups
+    # a module that reads a stream norm and also writes the stream (a fused MoE experts module: its
+    # gate/up weights are consumers, its down weights writers): its output is a stream write, h -> h Q
+    writers = {t.module for t in plan.writers} | {t.holder[0] for t in plan.writers}
     captures = reference.captures
     mapped = 0
     for probe in reference.probes:
@@ -88,6 +92,9 @@ def rotate_reference(reference, rotation) -> int:
                 scale = rotation.kept_scales.get(probe.site)
                 y = x.double() / scale.to(x.device) if scale is not None else x.double()
                 captures[key] = y @ rotation.Q.to(x.device)
+                mapped += 1
+            elif probe.role == "consumer output" and probe.module in writers and x.shape[-1] == width:
+                captures[key] = rotation.hidden_states(x)
                 mapped += 1
             elif probe.role == "consumer output" and probe.module in heads:
                 h = rotation.matrices["H"].values.to(x.device)
