@@ -147,8 +147,11 @@ def estimate(
         "centering": weights // 2 + 2 * int(LAYER_COPIES * layers * tokens * (hidden + inter) * 4)
         if norm == "rmsnorm"
         else 0,
-        "rotation": rotation_bytes(hidden, head_dim, tensor_numel=largest, tensor_bytes=largest * elt,
-                                   held=weights) if rotate else 0,  # fmt: skip
+        "rotation": rotation_bytes(
+            hidden, head_dim, tensor_numel=largest, tensor_bytes=largest * elt, held=weights
+        )
+        if rotate
+        else 0,
         "logits": int(LOGIT_COPIES * tokens * vocab * 8),
         "activations": int(LAYER_COPIES * layers * tokens * (hidden + inter) * 4),
     }
@@ -316,8 +319,9 @@ def choose(
         return Choice(False)
     if max_memory is not None:
         return Choice(weight_bytes(tensors, dtype) > max_memory, budget=max_memory)
-    guess = estimate(tensors, config, dtype, untie=untie, norm=norm, tokens=tokens, device=device,
-                     rotate=rotate)
+    guess = estimate(
+        tensors, config, dtype, untie=untie, norm=norm, tokens=tokens, device=device, rotate=rotate
+    )
     room = available if available is not None else available_memory(device)
     if room is not None and device == "cpu":  # processes of one launch on one machine share its memory
         room //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -408,5 +412,6 @@ def _auto(model, dtype, *, untie, norm, tokens, device, trust_remote_code, rotat
     positions = getattr(text, "max_position_embeddings", None) or 512
     count = min(tokens or 512, positions)
     torch_type = resolve_dtype(dtype, resolved, config)
-    return choose(tensors, config, torch_type, untie=untie, norm=norm, tokens=count, device=device,
-                  rotate=rotate)
+    return choose(
+        tensors, config, torch_type, untie=untie, norm=norm, tokens=count, device=device, rotate=rotate
+    )

@@ -27,10 +27,9 @@ in ``ConvertReport.rotation``, and what the saved checkpoint holds (``ROTATION_F
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
-
-import logging
 
 import torch
 

@@ -211,8 +211,8 @@ def plan_rotation(
         heads: also plan the per-head rotation of each attention's values and output projection.
         skipped_tensors: names of checkpoint tensors the loader did not load (the model never runs them):
             refused, since their inputs (the embeddings, the final hidden state) would be rotated.
-        read: ``read(name)`` gives a parameter's values for the fold plan's range test (``normswap.fold.plan``;
-            default ``model.get_parameter``; a streamed model reads them from its shards).
+        read: ``read(name)`` gives a parameter's values for the fold plan's range test
+            (``normswap.fold.plan``; default ``model.get_parameter``; a streamed model reads them from disk).
 
     Returns:
         A ``RotationPlan``.

@@ -390,7 +390,7 @@ def convert_streamed(
     if norm == "rmsnorm":
         from normswap.center.inputs import original_embeds
 
-        if dist.is_main() and rotate is None:  # to prove the inputs_embeds transform (not rotated: as in memory)
+        if dist.is_main() and rotate is None:  # to prove the inputs_embeds transform (as in memory)
             embeds = _guarded(lambda: original_embeds(streamed.model, input_ids), source)
         progress.note("centering the LayerNorms' inputs (streamed) ...")
         centered = _guarded(lambda: center(streamed, traced, walk_ids, untie=untie), source)
@@ -506,7 +506,8 @@ def convert_streamed(
             if rotation is not None:  # the rotation's float64 matrices and one tensor's temporaries
                 from normswap.memory import rotation_bytes
 
-                largest = max((t.nbytes // t.dtype.itemsize for t in source.reader.tensors.values()), default=0)
+                largest = max((t.nbytes // t.dtype.itemsize for t in source.reader.tensors.values()),
+                              default=0)  # fmt: skip
                 heads = rotation.matrices.get("H")
                 data["streamed"]["rotation_bytes"] = rotation_bytes(
                     rotation.Q.shape[0], heads.size if heads is not None else 0, tensor_numel=largest,
