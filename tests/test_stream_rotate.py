@@ -1,4 +1,4 @@
-"""Rotation (``--rotate``) streamed: the same checkpoint, matrices and records as the in-memory path, bit for bit.
+"""Rotation (``--rotate``) streamed: the same checkpoint, matrices and records as in memory, bit for bit.
 
 Each tiny model (norm weights and biases re-randomized, ``normswap.zoo.tiny_model``) is saved sharded (shards
 of a few KB) and converted with ``--rotate`` in memory (itself checked against the original and verified)
@@ -144,7 +144,7 @@ def test_float16_overflow_is_refused_and_nothing_is_left(tokenizer, tmp_path):  
     in one line naming it, the hidden output folder removed, no output, the input unchanged."""
     from normswap.rotate.matrix import generator, make
 
-    model = _model("llama", dtype=torch.float16)  # untied: the row is only looked up, the forward stays finite
+    model = _model("llama", dtype=torch.float16)  # untied: the row is only looked up, the logits stay finite
     q = make("Q", 64, "hadamard", generator(0)).values  # the matrix convert will draw (seed 0)
     with torch.no_grad():
         model.model.embed_tokens.weight[5] = (70000.0 * q[:, 0]).half()
