@@ -154,3 +154,32 @@ def test_float16_overflow_is_refused_and_nothing_is_left(tokenizer, tmp_path):  
             "--max-memory", "64KB")  # fmt: skip
     _refused(r, "cannot rotate: model.embed_tokens.weight would leave the range of torch.float16 (65504)")
     assert _tree(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.slow  # 35 s; tests/test_stream.py runs the plain two-process case by default
+def test_two_processes_write_the_same_rotated_bytes(tokenizer, tmp_path):  # noqa: F811
+    """``accelerate launch --multi_gpu --num_processes 2`` on the CPU (gloo), rotated: every process plans
+    and rotates, each writes its shards; shards, index and Q file byte-identical to one process's."""
+    import subprocess
+    import sys
+
+    src = save_sharded(_model("llama"), tokenizer, tmp_path / "src")
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ["convert", str(src), "--output", str(two), "--tokens", TOKENS, "--max-memory", "4KB",
+            "--rotate", "hadamard", *HEADS]  # fmt: skip
+    r = run(*[one if a == str(two) else a for a in args])
+    assert r.exit_code == 0, r.output
+    launch = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no", "--main_process_port", "29519"]  # fmt: skip
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "normswap", *args]
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = sorted(p.name for p in one.glob("*.safetensors"))
+    assert len(files) > 2 and files == sorted(p.name for p in two.glob("*.safetensors"))
+    for name in [*files, "model.safetensors.index.json", ROTATION_FILE]:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    report = json.loads((two / "normswap.json").read_text())
+    assert report["streamed"]["processes"] == 2
+    assert report["rotation"] == json.loads((one / "normswap.json").read_text())["rotation"]
+    assert_verified(two, done.stdout)
