@@ -347,17 +347,23 @@ def apply(
         RotationError: a new value would not fit the tensor's dtype (float16's 65504), before any assignment.
     """
     planned = plan_changes(model, plan, sites, folded, read)
-    values = {name: m.values for name, m in matrices.items()}
+    placed: dict[torch.device, dict[str, torch.Tensor]] = {}  # the matrices, one copy per device
+
+    def on(device: torch.device) -> dict[str, torch.Tensor]:
+        if device not in placed:
+            placed[device] = {name: m.values.to(device) for name, m in matrices.items()}
+        return placed[device]
+
     new: list[tuple[torch.Tensor, torch.Tensor]] = []
     later = []
     for change in planned.changes:
         p = change.tensor
-        deferred = defer(p, change.op(values)) if defer is not None else None
+        op = change.op(on(p.device))
+        deferred = defer(p, op) if defer is not None else None
         if deferred is not None:
             later.append(deferred)
             continue
-        on = {n: v.to(p.device) for n, v in values.items()}
-        new.append((p, change.op(on)(p)))
+        new.append((p, op(p)))
     for p, value in new:
         p.copy_(value)
     for call in later:
