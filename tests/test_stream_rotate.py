@@ -183,3 +183,28 @@ def test_two_processes_write_the_same_rotated_bytes(tokenizer, tmp_path):  # noq
     assert report["streamed"]["processes"] == 2
     assert report["rotation"] == json.loads((one / "normswap.json").read_text())["rotation"]
     assert_verified(two, done.stdout)
+
+
+@pytest.mark.real
+def test_smollm2_rotated_streamed_equals_in_memory(tmp_path):
+    """SmolLM2-135M (as float32 safetensors) with --rotate hadamard, in memory and under --max-memory 100MB:
+    every tensor, the Q file and the records bit for bit (benchmarks/bench_stream_rotate.py measures it)."""
+    from normswap.io import load_model
+
+    try:
+        loaded = load_model("smollm2-135m")
+    except Exception as error:  # noqa: BLE001 - no network and no cache
+        pytest.skip(f"smollm2-135m unavailable: {error}")
+    src = save_sharded(loaded.model, loaded.tokenizer, tmp_path / "src", shard="200MB")
+    del loaded
+    memory_out, streamed = tmp_path / "memory", tmp_path / "streamed"
+    r = run("convert", src, "-o", memory_out, "--rotate", "hadamard")
+    assert r.exit_code == 0, r.output
+    r = run("convert", src, "-o", streamed, "--rotate", "hadamard", "--max-memory", "100MB")
+    assert r.exit_code == 0, r.output
+    assert_verified(streamed, r.output)
+    assert_same_checkpoint(memory_out, streamed)
+    got, want = (load_file(str(d / ROTATION_FILE)) for d in (streamed, memory_out))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    report, expected = (json.loads((d / "normswap.json").read_text()) for d in (streamed, memory_out))
+    assert report["rotation"] == expected["rotation"] and report["check"]["divergence"] is None
