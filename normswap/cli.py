@@ -353,7 +353,8 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
                    overwrite=overwrite, no_untie=no_untie, keep_hidden_states=keep_hidden_states)  # fmt: skip
     if _convert_streamed(
         model, output, report, max_memory, no_stream, device=device, device_map=device_map,
-        tokenizer=tokenizer_name, report_file=report_file, stages=stages, rotate=rotate, **options,
+        tokenizer=tokenizer_name, report_file=report_file, stages=stages, rotate=rotate,
+        rotate_seed=rotate_seed, rotate_heads=rotate_heads, **options,
     ):  # fmt: skip
         return
     stages.start("load", f"{model} ({dtype})")
@@ -439,13 +440,13 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
 
 
 def _convert_streamed(model, output, report, max_memory, no_stream, *, device, device_map, tokenizer,
-                      report_file, stages, rotate, norm, dtype, trust_remote_code, tokens, force, overwrite,
-                      no_untie, keep_hidden_states) -> bool:  # fmt: skip
+                      report_file, stages, rotate, rotate_seed, rotate_heads, norm, dtype, trust_remote_code,
+                      tokens, force, overwrite, no_untie, keep_hidden_states) -> bool:  # fmt: skip
     """False when the model is converted in memory (``normswap.memory.decide``: ``--no-stream``, weights
     within ``--max-memory``, or an estimated peak that fits the memory available), else the streamed
-    conversion (``normswap.stream``, on ``--device``), with the same outputs, messages and exit codes;
-    ``--device-map`` with ``--max-memory``, and ``--rotate`` on a model that must stream, are refused in one
-    line."""
+    conversion (``normswap.stream``, on ``--device``), with the same outputs, messages and exit codes (a
+    rotation too: the same tensors, matrices and records as in memory); ``--device-map`` with
+    ``--max-memory`` is refused in one line."""
     from normswap import io, memory
     from normswap.device import resolve_device
     from normswap.stream import convert as stream
@@ -460,16 +461,11 @@ def _convert_streamed(model, output, report, max_memory, no_stream, *, device, d
     choice = memory.decide(
         model, dtype, max_memory=max_memory, no_stream=no_stream, untie=not no_untie, norm=norm,
         tokens=tokens, device=str(target), trust_remote_code=trust_remote_code, tokenizer=tokenizer,
+        rotate=rotate is not None,
     )  # fmt: skip
     stages.stop()
     if not choice.stream:
         return False
-    if rotate is not None:
-        why = choice.reason or "it exceeds --max-memory"
-        raise NormswapError(
-            f"--rotate is not available when streaming ({model}: {why}); give --no-stream to convert it in "
-            "memory"
-        )
     source = choice.source
     if choice.reason and dist.is_main():
         click.echo(f"normswap: {model}: {choice.reason}", err=True)
@@ -482,7 +478,8 @@ def _convert_streamed(model, output, report, max_memory, no_stream, *, device, d
     input_ids, check_input = _check_ids(model, source.config, source.tokenizer, tokens)
     report_dict, passed = stream.convert_streamed(
         source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, stages=stages,
-        keep_hidden_states=keep_hidden_states, norm=norm, device=target, choice=choice,
+        keep_hidden_states=keep_hidden_states, norm=norm, device=target, choice=choice, rotate=rotate,
+        rotate_seed=rotate_seed, rotate_heads=rotate_heads,
     )  # fmt: skip
     report_dict["check_input"] = check_input
     _note_check_text(report_dict, tokenizer)

@@ -80,24 +80,6 @@ class ConvertReport:
         } | extra
 
 
-def _rotate(model: nn.Module, rotation_plan, result: Walk, folding, kind: str, seed: int):
-    """Fold the stream norms and rotate (``normswap.rotate.apply``); the ``Rotation`` record."""
-    from normswap.fold import scale_and_shift
-    from normswap.rotate import Rotation, apply, make_matrices
-
-    matrices = make_matrices(rotation_plan, kind, seed)
-    folded = {s.name for s in folding.sites} & set(rotation_plan.stream_sites)
-    by_name = {s.name: s for s in result.sites}
-    kept = {n: scale_and_shift(by_name[n], model.get_submodule(n))[0] for n in rotation_plan.kept_bias}
-    tensors = apply(model, rotation_plan, result.sites, folded, matrices)
-    for name in rotation_plan.kept_bias:
-        site = next(s for s in result.sites if s.name == name)
-        site.scale_folded = True
-        site.reason = f"scale folded, bias kept on the norm and rotated ({site.reason})"
-    log.info("rotated the residual stream: %s", matrices["Q"].description)
-    return Rotation(kind, seed, matrices, tensors, rotation_plan, kept_scales=kept)
-
-
 def stream_transform(report: ConvertReport | dict, folder=None):
     """The change ``report``'s conversion made to the residual stream by design, for ``check.compare``
     (``normswap.check.contract.StreamTransform``), or None: rotated after ``rotate=...`` (centered first for
@@ -380,12 +362,14 @@ def convert(
         scales = {s.name: scale_and_shift(s, model.get_submodule(s.name)) for s in folding.sites}
         stream = set()
         if rotation_plan is not None:  # before any fold: a refusal undoes the untying
-            from normswap.rotate import RotationError, check_folding
+            from normswap.rotate import RotationError, check_folding, fold_and_rotate
 
             check_folding(model, result, rotation_plan, folding, untied)
             stream = set(rotation_plan.stream_sites)  # these fold in the rotation's float64 pass
             try:
-                report.rotation = _rotate(model, rotation_plan, result, folding, rotate, rotate_seed)
+                report.rotation = fold_and_rotate(
+                    model, rotation_plan, result.sites, folding, rotate, rotate_seed
+                )
             except RotationError:
                 untied.restore()
                 raise

@@ -14,11 +14,14 @@ normswap streams"), from the checkpoint's headers and config alone, before anyth
 * ``untie``: the copy of a tied ``lm_head`` the final norm folds into (vocabulary x hidden);
 * ``centering`` (``--norm rmsnorm``): the written weights are copied before they are replaced (half the
   weights at most) and the recording forward keeps its activations;
+* ``rotation`` (``--rotate``, ``rotation_bytes``): the float64 ``Q`` (hidden x hidden) and ``H`` (head_dim x
+  head_dim), every rotated weight's new values (computed before any is assigned, so that a refusal changes
+  nothing: the weights once more, at most), and one tensor's float64 temporaries;
 * ``logits``: the check's ``(tokens, vocabulary)`` logits, and the float64 metrics over them;
 * ``activations``: per layer, what one forward on the check's tokens leaves held (hidden and MLP widths).
 
 The stages do not overlap: loading (weights + cast), the reference (weights + upcast + logits +
-activations), the conversion and check (weights + untie + centering + logits + activations); the
+activations), the conversion and check (weights + untie + centering + rotation + logits + activations); the
 verification's fresh load comes after the model is freed. The estimate is their maximum plus the runtime;
 ``LOGIT_COPIES`` and ``LAYER_COPIES`` are set from measured peaks (benchmarks/bench_memory.py) so that the
 estimate is at or above the measured peak.
@@ -74,6 +77,19 @@ def _size(dtype) -> int:
     return dtype.itemsize
 
 
+def rotation_bytes(hidden: int, head_dim: int = 0, *, tensor_numel: int = 0, tensor_bytes: int = 0,
+                   held: int = 0) -> int:  # fmt: skip
+    """Bytes a rotation holds beyond the weights: ``Q`` and ``H`` in float64 (``8 (hidden² + head_dim²)``),
+    one tensor's new values (``tensor_bytes``) and the float64 temporaries of its blocks (the block, its
+    product with the matrix, a head's copy: ``3 x 8 x min(rotate.apply.CHUNK, tensor_numel)``), plus
+    ``held``: in memory, every rotated weight's new values in its dtype (``rotate.apply`` computes all before
+    assigning any); streamed, nothing (each tensor is written as it is made)."""
+    from normswap.rotate.apply import CHUNK
+
+    matrices = 8 * (hidden * hidden + head_dim * head_dim)
+    return matrices + tensor_bytes + 3 * 8 * min(CHUNK, tensor_numel) + held
+
+
 def estimate(
     tensors: dict,
     config,
@@ -83,6 +99,7 @@ def estimate(
     norm: str = "keep",
     tokens: int = 512,
     device: str = "cpu",
+    rotate: bool = False,
 ) -> Estimate:
     """Estimate the in-memory peak of ``normswap convert`` (see the module docstring).
 
@@ -94,17 +111,19 @@ def estimate(
         norm: ``"keep"`` or ``"rmsnorm"``.
         tokens: the check's token count.
         device: ``"cpu"`` or a GPU's name: on a GPU the estimate is of the device's memory.
+        rotate: whether the conversion rotates the residual stream (``--rotate``).
 
     Returns:
         ``Estimate``.
     """
     elt = _size(dtype)
-    weights = stored = upcast = 0
+    weights = stored = upcast = largest = 0
     cast = False
     for stored_dtype, shape in tensors.values():
         n, own = _numel(shape), _size(stored_dtype)
         stored += n * own
         if stored_dtype.is_floating_point:
+            largest = max(largest, n)
             weights += n * elt
             upcast += n * 4
             cast = cast or stored_dtype != dtype
@@ -116,6 +135,8 @@ def estimate(
     layers = int(getattr(text, "num_hidden_layers", 0) or 0)
     inter = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
     tied = bool(getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(text, "head_dim", 0) or (hidden // heads if heads else 0))
     name = str(dtype).removeprefix("torch.")
     parts = {
         "runtime": RUNTIME if device == "cpu" else 0,
@@ -126,14 +147,19 @@ def estimate(
         "centering": weights // 2 + 2 * int(LAYER_COPIES * layers * tokens * (hidden + inter) * 4)
         if norm == "rmsnorm"
         else 0,
+        "rotation": rotation_bytes(
+            hidden, head_dim, tensor_numel=largest, tensor_bytes=largest * elt, held=weights
+        )
+        if rotate
+        else 0,
         "logits": int(LOGIT_COPIES * tokens * vocab * 8),
         "activations": int(LAYER_COPIES * layers * tokens * (hidden + inter) * 4),
     }
     stages = {
         "load": parts["weights"] + parts["cast"],
         "reference": parts["weights"] + parts["upcast"] + parts["logits"] + parts["activations"],
-        "convert": parts["weights"] + parts["untie"] + parts["centering"] + parts["logits"]
-        + parts["activations"],
+        "convert": parts["weights"] + parts["untie"] + parts["centering"] + parts["rotation"]
+        + parts["logits"] + parts["activations"],
     }  # fmt: skip
     stage = max(stages, key=stages.get)
     return Estimate(parts["runtime"] + stages[stage], stage, parts, device)
@@ -278,6 +304,7 @@ def choose(
     tokens: int = 512,
     device: str = "cpu",
     available: int | None = None,
+    rotate: bool = False,
 ) -> Choice:
     """In memory or streamed, for a conversion of ``tensors`` (``name -> (dtype, shape)``, None when the
     checkpoint cannot be streamed: a GGUF file, weights that are not safetensors).
@@ -292,7 +319,9 @@ def choose(
         return Choice(False)
     if max_memory is not None:
         return Choice(weight_bytes(tensors, dtype) > max_memory, budget=max_memory)
-    guess = estimate(tensors, config, dtype, untie=untie, norm=norm, tokens=tokens, device=device)
+    guess = estimate(
+        tensors, config, dtype, untie=untie, norm=norm, tokens=tokens, device=device, rotate=rotate
+    )
     room = available if available is not None else available_memory(device)
     if room is not None and device == "cpu":  # processes of one launch on one machine share its memory
         room //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -323,6 +352,7 @@ def decide(
     device: str = "cpu",
     trust_remote_code: bool = False,
     tokenizer: str | None = None,
+    rotate: bool = False,
 ) -> Choice:
     """``normswap convert``'s choice for MODEL: the in-memory path, or streaming with which budget.
 
@@ -352,7 +382,7 @@ def decide(
     if no_stream:
         return Choice(False)
     choice = _auto(model, dtype, untie=untie, norm=norm, tokens=tokens, device=device,
-                   trust_remote_code=trust_remote_code)  # fmt: skip
+                   trust_remote_code=trust_remote_code, rotate=rotate)  # fmt: skip
     choice.stream, choice.budget, choice.reason = dist.broadcast(
         (choice.stream, choice.budget, choice.reason)
     )
@@ -361,7 +391,7 @@ def decide(
     return choice
 
 
-def _auto(model, dtype, *, untie, norm, tokens, device, trust_remote_code) -> Choice:
+def _auto(model, dtype, *, untie, norm, tokens, device, trust_remote_code, rotate=False) -> Choice:
     from normswap.errors import NormswapError
     from normswap.io.load import is_causal_lm, load_config, resolve, resolve_dtype
 
@@ -382,4 +412,6 @@ def _auto(model, dtype, *, untie, norm, tokens, device, trust_remote_code) -> Ch
     positions = getattr(text, "max_position_embeddings", None) or 512
     count = min(tokens or 512, positions)
     torch_type = resolve_dtype(dtype, resolved, config)
-    return choose(tensors, config, torch_type, untie=untie, norm=norm, tokens=count, device=device)
+    return choose(
+        tensors, config, torch_type, untie=untie, norm=norm, tokens=count, device=device, rotate=rotate
+    )

@@ -53,6 +53,24 @@ def test_estimate_terms():
     assert device.parts["runtime"] == device.parts["cast"] == 0
 
 
+def test_rotation_term():
+    """--rotate: Q and H in float64, every rotated weight's new values (computed before any is assigned)
+    and one tensor's float64 blocks, added to the conversion stage; a rotation can make a model stream."""
+    from normswap.rotate.apply import CHUNK
+
+    config, tensors = _llama(layers=2, hidden=256, inter=512, vocab=1000)
+    plain = memory.estimate(tensors, config, torch.float32)
+    rotated = memory.estimate(tensors, config, torch.float32, rotate=True)
+    largest = 1000 * 256  # the embedding and lm_head
+    head_dim = 256 // config.num_attention_heads
+    expected = 8 * (256**2 + head_dim**2) + largest * 4 + 3 * 8 * min(CHUNK, largest) + plain.parts["weights"]
+    assert plain.parts["rotation"] == 0 and rotated.parts["rotation"] == expected
+    assert rotated.stage == "convert" and rotated.peak > plain.peak
+    room = (plain.peak + rotated.peak) / 2 / memory.FITS
+    assert not memory.choose(tensors, config, torch.float32, available=room).stream
+    assert memory.choose(tensors, config, torch.float32, available=room, rotate=True).stream
+
+
 def test_choose():
     config, tensors = _llama()
     need = memory.estimate(tensors, config, torch.bfloat16).peak

@@ -387,13 +387,3 @@ def test_a_rotation_that_overflows_float16_is_refused():
     after = _state(model)  # nothing folded, lm_head tied again
     assert state.keys() == after.keys() and all(torch.equal(state[k], after[k]) for k in state)
     assert model.lm_head.weight is model.get_input_embeddings().weight
-
-
-def test_cli_refuses_rotation_when_streaming(tmp_path):
-    """The streamed path does not rotate yet: a model that would stream is refused in one line."""
-    src, out = tmp_path / "src", tmp_path / "out"
-    _entry("llama").save_pretrained(src)
-    args = ["convert", str(src), "-o", str(out), "--rotate", "hadamard", "--max-memory", "64KB"]
-    result = CliRunner().invoke(_main(), args)
-    assert result.exit_code == 2 and "--rotate is not available when streaming" in result.output
-    assert not out.exists()

@@ -8,7 +8,8 @@ pipeline runs with torch's default device set to ``meta`` (as tests/test_device_
 in-memory pipeline): a tensor made without naming its device lands on ``meta`` and the first op that reads
 it fails. The bytes of weights on the device are counted as the streamed model reads and releases them;
 they must stay within the budget plus one module's weights. The output must equal the in-memory
-conversion's, bit for bit. On a real GPU, benchmarks/gpu_check.sh (part ``stream``) runs the same command.
+conversion's, bit for bit (with ``--rotate``: its matrices and records too). On a real GPU,
+benchmarks/gpu_check.sh (part ``stream``) runs the same command.
 """
 
 from __future__ import annotations
@@ -29,12 +30,18 @@ BUDGET = 64_000  # "64KB" in accelerate's syntax
 
 
 @pytest.mark.parametrize(
-    "model_type, norm", [("llama", "keep"), pytest.param("gpt2", "rmsnorm", marks=pytest.mark.slow)]
+    "model_type, norm, extra",
+    [
+        ("llama", "keep", []),
+        ("llama", "keep", ["--rotate", "hadamard", "--rotate-heads"]),
+        pytest.param("gpt2", "rmsnorm", [], marks=pytest.mark.slow),
+    ],
+    ids=["llama", "llama-rotate", "gpt2-center"],
 )
-def test_gpu_streaming_dry_run(model_type, norm, tokenizer, tmp_path, monkeypatch):  # noqa: F811
+def test_gpu_streaming_dry_run(model_type, norm, extra, tokenizer, tmp_path, monkeypatch):  # noqa: F811
     src = save_sharded(make_tiny_model(model_type), tokenizer, tmp_path / "src")
     memory = tmp_path / "memory"
-    r = run("convert", src, "-o", memory, "--tokens", TOKENS, "--norm", norm)
+    r = run("convert", src, "-o", memory, "--tokens", TOKENS, "--norm", norm, *extra)
     assert r.exit_code == 0, r.output
 
     fake_gpu = torch.device("cpu")  # the device object --device cuda resolves to
@@ -50,11 +57,20 @@ def test_gpu_streaming_dry_run(model_type, norm, tokenizer, tmp_path, monkeypatc
     monkeypatch.setattr(stream_convert, "convert_streamed", guarded)
     out = tmp_path / "gpu"
     r = run("convert", src, "-o", out, "--tokens", TOKENS, "--norm", norm, "--device", "cuda",
-            "--max-memory", "64KB")  # fmt: skip
+            "--max-memory", "64KB", *extra)  # fmt: skip
     assert r.exit_code == 0, r.output
     assert asked == ["cuda"]
     assert_verified(out, r.output)
     assert_same_checkpoint(memory, out)
+    if extra:  # the rotation's matrices and records too
+        from safetensors.torch import load_file
+
+        from normswap.rotate import ROTATION_FILE
+
+        got, want = (load_file(str(d / ROTATION_FILE)) for d in (out, memory))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+        report, expected = (json.loads((d / "normswap.json").read_text())["rotation"] for d in (out, memory))
+        assert report == expected
     streamed = json.loads((out / "normswap.json").read_text())["streamed"]
     reader = CheckpointReader(src)
     largest = max(t.nbytes for t in reader.tensors.values())

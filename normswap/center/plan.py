@@ -173,10 +173,11 @@ def _groups(finder: Writers, layer: list[NormSite], index, feeds, writes):
     reader: dict[tuple[str, int], list[str]] = defaultdict(list)
     tables: dict[str, tuple[str, NormSite]] = {}
     by_name = {s.name: s for s in layer}
+    rank = {source: i for i, source in enumerate(writes)}  # the cones' order, not a set's (memory addresses)
     for site in layer:
         for k in finder.rec.norm_inputs[site.name]:
             rows = {tuple(r) for r in torch.unique(index[k].reshape(-1, index[k].shape[-1]), dim=0).tolist()}
-            for source in feeds[k]:
+            for source in sorted(feeds[k], key=lambda s: rank.get(s, len(rank))):
                 for w in writes[source]:
                     if w.table is not None:
                         full = tuple(range(finder.rec.tensors[w.param].shape[w.axis]))

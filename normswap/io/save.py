@@ -341,18 +341,13 @@ def _write_staged(stage: Staging, model, tokenizer, manifest: dict, inputs, sour
     class does not run and the other files of the input (``inputs``), ``extra_tensors`` and ``extra_files``
     (see ``save_converted``), the manifest; every input tensor must have reached it. Returns the carried
     tensors' fingerprints (for the verification)."""
-    from safetensors.torch import save_file
-
     from normswap.io import carry
 
     dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
     with stage.writing():
         write_checkpoint(model, tokenizer, manifest, stage.path, max_shard_size=inputs.shard_size)
         carried = carry.append_tensors(stage.path, inputs.folder, inputs.skipped, dtype, inputs.shard_size)
-        for relative, tensors in (extra_tensors or {}).items():
-            (stage.path / relative).parent.mkdir(parents=True, exist_ok=True)
-            cpu = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
-            save_file(cpu, str(stage.path / relative))
+        write_extra_tensors(stage.path, extra_tensors or {})
         for relative, text in (extra_files or {}).items():
             (stage.path / relative).parent.mkdir(parents=True, exist_ok=True)
             files.write_text(stage.path / relative, text)
@@ -362,6 +357,23 @@ def _write_staged(stage: Staging, model, tokenizer, manifest: dict, inputs, sour
     carry.check_complete(source, inputs, stage.path, set(model.state_dict()))
     staging.at_stage("written")
     return carried
+
+
+def write_extra_tensors(folder: str | os.PathLike, extra_tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Write each ``{relative path: {name: tensor}}`` of ``extra_tensors`` as a safetensors file under
+    ``folder`` (its subfolders made), each tensor moved to the CPU and made contiguous: a rotation's matrices
+    (``normswap.rotate.ROTATION_FILE``), by the in-memory save and the streamed one alike.
+
+    Raises:
+        OSError, safetensors' errors: the write fails (the callers write into a staged folder).
+    """
+    from safetensors.torch import save_file
+
+    for relative, tensors in extra_tensors.items():
+        path = Path(folder) / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cpu = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
+        save_file(cpu, str(path))
 
 
 def save_and_verify(

@@ -15,22 +15,25 @@ The steps, one module each:
 * ``plan``: the stream norms, writers and readers from the dataflow, and every refusal (``RotationError``),
   before anything changes;
 * ``heads``: the per-head value/output rotation (``rotate_heads``);
-* ``apply``: the float64 arithmetic, each tensor rounded once; the record ``TensorRotation``;
+* ``apply``: which tensor changes how (``plan_changes``, shared by the in-memory and the streamed
+  conversion), the float64 arithmetic, each tensor rounded once; the record ``TensorRotation``;
 * ``report``: the CLI's lines and the check of the saved matrices.
 
-``normswap.convert(model, rotate="hadamard")`` runs them around the fold; ``Rotation`` is what it returns
+``normswap.convert(model, rotate="hadamard")`` runs them around the fold (``fold_and_rotate``; a streamed
+conversion runs the same on a model whose weights stay on disk); ``Rotation`` is what it returns
 in ``ConvertReport.rotation``, and what the saved checkpoint holds (``ROTATION_FILE``, named in
 ``normswap.json``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from normswap.rotate.apply import TensorRotation, apply, transform
+from normswap.rotate.apply import Changes, TensorRotation, apply, plan_changes, transform
 from normswap.rotate.matrix import KINDS, Matrix, generator, make
 from normswap.rotate.plan import RotationError, RotationPlan, check_folding, plan_rotation
 from normswap.rotate.report import check_saved, rotate_reference, summary_lines
@@ -38,6 +41,7 @@ from normswap.rotate.report import check_saved, rotate_reference, summary_lines
 __all__ = [
     "KINDS",
     "ROTATION_FILE",
+    "Changes",
     "Rotation",
     "RotationError",
     "RotationPlan",
@@ -45,7 +49,9 @@ __all__ = [
     "apply",
     "check_folding",
     "check_saved",
+    "fold_and_rotate",
     "make_matrices",
+    "plan_changes",
     "plan_rotation",
     "rotate_reference",
     "summary_lines",
@@ -53,6 +59,7 @@ __all__ = [
 ]
 
 ROTATION_FILE = "normswap/rotation.safetensors"  # in a subfolder: loaders that glob *.safetensors skip it
+log = logging.getLogger("normswap")
 
 
 def make_matrices(plan: RotationPlan, kind: str, seed: int) -> dict[str, Matrix]:
@@ -126,3 +133,35 @@ class Rotation:
             "returned": list(plan.returned) if plan else [],
             "tensors": [t.to_dict() for t in self.tensors],
         }
+
+
+def fold_and_rotate(model, plan: RotationPlan, sites, folding, kind: str, seed: int, *, defer=None,
+                    read=None) -> Rotation:  # fmt: skip
+    """Fold the stream norms of ``folding`` and rotate ``model`` in place (``apply``); the ``Rotation``.
+
+    Args:
+        model: the model after centering and untying (``normswap.fold.untie_checked``), the rotation checked
+            against ``folding`` (``check_folding``); no norm folded yet.
+        plan: from ``plan_rotation``.
+        sites: the walk's sites; the kept-bias norms get ``scale_folded`` and their reason.
+        folding: ``normswap.fold.plan``: the stream norms it folds fold here, in the rotation's float64 pass
+            (the caller folds the others).
+        kind, seed: the matrices' (``make_matrices``).
+        defer, read: as ``apply``'s (``normswap.stream.transforms.rotate`` passes them).
+
+    Raises:
+        RotationError: a value would leave its dtype's range (``apply``; nothing changed when raised here).
+    """
+    from normswap.fold import scale_and_shift
+
+    matrices = make_matrices(plan, kind, seed)
+    folded = {s.name for s in folding.sites} & set(plan.stream_sites)
+    by_name = {s.name: s for s in sites}
+    kept = {n: scale_and_shift(by_name[n], model.get_submodule(n))[0] for n in plan.kept_bias}
+    tensors = apply(model, plan, sites, folded, matrices, defer=defer, read=read)
+    for name in plan.kept_bias:
+        site = by_name[name]
+        site.scale_folded = True
+        site.reason = f"scale folded, bias kept on the norm and rotated ({site.reason})"
+    log.info("rotated the residual stream: %s", matrices["Q"].description)
+    return Rotation(kind, seed, matrices, tensors, plan, kept_scales=kept)

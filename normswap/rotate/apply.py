@@ -162,47 +162,88 @@ def _tensor(model: nn.Module, holder: tuple[str, str]) -> nn.Parameter:
     return model.get_submodule(holder[0])._parameters[holder[1]]
 
 
+@dataclass
+class Change:
+    """One tensor's change: the tensor, its record, and the float64 operands ``transform`` takes.
+
+    Attributes:
+        tensor: the Parameter (in memory, or a streamed one whose values are on disk).
+        record: its ``TensorRotation``.
+        scale: ``(axis, float64 scale)`` of the stream norm folded into it, or None.
+        divide: the float64 scale a kept norm bias is divided by, or None.
+        add: the float64 ``W b`` a consumer bias absorbs (computed from the weight before any change), or
+            None.
+    """
+
+    tensor: torch.Tensor
+    record: TensorRotation
+    scale: tuple[int, torch.Tensor] | None = None
+    divide: torch.Tensor | None = None
+    add: torch.Tensor | None = None
+
+    def op(self, matrices: dict[str, torch.Tensor]):
+        """``t -> new values of t`` (``transform`` with this change's operands, ``matrices`` on the CPU
+        or any device), refusing a value the dtype cannot hold (``RotationError``)."""
+
+        def run(t: torch.Tensor) -> torch.Tensor:
+            value = transform(t, matrices, self.scale, self.divide, self.record.rotations, self.add)
+            if t.is_floating_point() and bool((~torch.isfinite(value) & torch.isfinite(t)).any()):
+                from normswap.rotate.plan import RotationError
+
+                limit = torch.finfo(t.dtype).max
+                raise RotationError(
+                    f"cannot rotate: {self.record.name} would leave the range of {t.dtype} ({limit:.6g})"
+                )
+            return value
+
+        return run
+
+
+@dataclass
+class Changes:
+    """Every change a rotation makes, in order (``plan_changes``): ``changes`` (one per tensor), ``fills``
+    (``(norm parameter, identity value)`` of the folded stream norms) and ``folded`` (their names)."""
+
+    changes: list[Change] = field(default_factory=list)
+    fills: list[tuple[torch.Tensor, float]] = field(default_factory=list)
+    folded: list[str] = field(default_factory=list)
+
+    @property
+    def records(self) -> list[TensorRotation]:
+        return [c.record for c in self.changes]
+
+
 @torch.no_grad()
-def apply(
+def plan_changes(
     model: nn.Module,
     plan: RotationPlan,
     sites: list[NormSite],
     folded: set[str],
-    matrices: dict[str, Matrix],
-) -> list[TensorRotation]:
-    """Fold the stream norms ``folded`` (and the scale of the ``plan.kept_bias`` norms) and rotate, in place.
+    read=None,
+) -> Changes:
+    """Which tensor gets which fold and matrix, on which axis and side; changes nothing.
+
+    The in-memory conversion (``apply``) and the streamed one (``normswap.stream.transforms.rotate``) both
+    take their changes from here, so both compute the same float64 arithmetic in the same order.
 
     Args:
-        model: the model, centered (a LayerNorm model) and untied as the fold plan needs; the other norms
-            already folded.
-        plan: from ``plan_rotation``, checked by ``check_folding``.
-        sites: the walk's sites (after centering): scales, biases and consumers of the stream norms.
-        folded: names of the stream norms the fold plan folds (``fold_site`` was not called for them).
-        matrices: ``"Q"`` (and ``"H"`` with heads) from ``matrix.make``.
-
-    Returns:
-        The record: one ``TensorRotation`` per changed tensor, in order.
-
-    Every new value is computed (float64, from the current values) before any is assigned, so an error
-    while computing leaves the model as it was; the assignments are same-shape in-place copies.
+        model, plan, sites, folded: as ``apply``'s.
+        read: ``read(tensor)`` gives a weight's current values where the whole is needed now (``W b`` of a
+            consumer bias; default: the tensor itself; ``normswap.stream`` reads it from its shard).
 
     Raises:
-        RotationError: a new value would not fit the tensor's dtype (float16's 65504), before any assignment.
+        ValueError: a consumer bias does not have the shape ``W b`` gives.
     """
+    read = read or (lambda t: t)
     names = _names(model)
     by_site = {s.name: s for s in sites}
-    records: dict[int, TensorRotation] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    scales: dict[int, torch.Tensor] = {}
-    divides: dict[int, torch.Tensor] = {}
-    adds: dict[int, torch.Tensor] = {}
-    fills: list[tuple[torch.Tensor, float]] = []
+    changes: dict[int, Change] = {}
+    result = Changes()
 
-    def entry(p: torch.Tensor) -> TensorRotation:
-        if id(p) not in records:
-            records[id(p)] = TensorRotation(names.get(id(p), "?"))
-            tensors[id(p)] = p
-        return records[id(p)]
+    def entry(p: torch.Tensor) -> Change:
+        if id(p) not in changes:
+            changes[id(p)] = Change(p, TensorRotation(names.get(id(p), "?")))
+        return changes[id(p)]
 
     for name in plan.stream_sites:
         site = by_site[name]
@@ -212,26 +253,26 @@ def apply(
         scale, shift = scale_and_shift(site, norm)
         for c in distinct_consumers(site):
             weight = model.get_parameter(c.param)
-            rec = entry(weight)
-            rec.scale = (c.axis, name)
-            scales[id(weight)] = scale
+            change = entry(weight)
+            change.record.scale = (c.axis, name)
+            change.scale = (c.axis, scale)
             if name in folded and shift is not None and c.bias is not None:
                 bias = model.get_parameter(c.bias)
-                delta = bias_delta(weight, shift, c.axis)
+                delta = bias_delta(read(weight), shift, c.axis)
                 if delta.shape != bias.shape:
                     raise ValueError(
                         f"{name}: bias {c.bias} has shape {tuple(bias.shape)}, W b has {tuple(delta.shape)}"
                     )
-                entry(bias).shift = name
-                adds[id(bias)] = delta
+                entry(bias).record.shift = name
+                changes[id(bias)].add = delta
         if site.weight:
-            fills.append((getattr(norm, site.weight), 1.0 - site.offset))
+            result.fills.append((getattr(norm, site.weight), 1.0 - site.offset))
         if site.bias and name in folded:
-            fills.append((getattr(norm, site.bias), 0.0))
+            result.fills.append((getattr(norm, site.bias), 0.0))
         elif site.bias:  # kept: b / g, rotated below as a target on the stream's side
             b = getattr(norm, site.bias)
-            entry(b).divide = name
-            divides[id(b)] = scale
+            entry(b).record.divide = name
+            changes[id(b)].divide = scale
     kept_biases = [
         Target((n, by_site[n].bias), 0, "norm bias") for n in plan.kept_bias if by_site[n].bias is not None
     ]
@@ -242,14 +283,14 @@ def apply(
         if (id(p), axis) in seen:  # a tied table: E Q serves as the embedding and as lm_head
             continue
         seen.add((id(p), axis))
-        rec = entry(p)
+        rec = entry(p).record
         rec.sides.append(target.side)
         rec.rotations.append((axis, "Q", None if target.index is None else [target.index]))
     heads = getattr(plan, "heads", None)
     if heads is not None:
         # a bias that centering added to a value projection after planning (config flag) rotates with it
         bias_of = {c.param: c.bias for s in sites for c in s.consumers if c.bias is not None}
-        done: set[int] = set()
+        done: set[tuple[int, int, str]] = set()
         for target in heads.targets:
             p = _tensor(model, target.holder)
             extra = []
@@ -261,27 +302,75 @@ def apply(
                 if (id(q), axis, target.side) in done:
                     continue
                 done.add((id(q), axis, target.side))
-                rec = entry(q)
+                rec = entry(q).record
                 rec.sides.append(target.side)
                 rec.rotations.append((axis, "H", target.groups))
-    values = {name: m.values for name, m in matrices.items()}
-    new: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for key, rec in records.items():
-        p = tensors[key]
-        scale = (rec.scale[0], scales[key]) if rec.scale is not None else None
-        on = {n: v.to(p.device) for n, v in values.items()}
-        value = transform(p, on, scale, divides.get(key), rec.rotations, adds.get(key))
-        if p.is_floating_point() and bool((~torch.isfinite(value) & torch.isfinite(p)).any()):
-            from normswap.rotate.plan import RotationError
+    result.changes = list(changes.values())
+    result.folded = [name for name in plan.stream_sites if name in folded]
+    return result
 
-            limit = torch.finfo(p.dtype).max
-            raise RotationError(f"cannot rotate: {rec.name} would leave the range of {p.dtype} ({limit:.6g})")
-        new.append((p, value))
+
+@torch.no_grad()
+def apply(
+    model: nn.Module,
+    plan: RotationPlan,
+    sites: list[NormSite],
+    folded: set[str],
+    matrices: dict[str, Matrix],
+    *,
+    defer=None,
+    read=None,
+) -> list[TensorRotation]:
+    """Fold the stream norms ``folded`` (and the scale of the ``plan.kept_bias`` norms) and rotate, in place.
+
+    Args:
+        model: the model, centered (a LayerNorm model) and untied as the fold plan needs; the other norms
+            already folded.
+        plan: from ``plan_rotation``, checked by ``check_folding``.
+        sites: the walk's sites (after centering): scales, biases and consumers of the stream norms.
+        folded: names of the stream norms the fold plan folds (``fold_site`` was not called for them).
+        matrices: ``"Q"`` (and ``"H"`` with heads) from ``matrix.make``.
+        defer: ``defer(tensor, op)`` may return a function that makes ``op`` (tensor -> its new values, a
+            ``Change.op``) part of the tensor's values later, called once every other tensor is assigned;
+            when it returns None (or without ``defer``) the new values are computed here. ``normswap.stream``
+            defers the weights that stay on disk (``Streamed.transform``): their values, and a value that
+            would not fit the dtype, are known only as each is written.
+        read: as ``plan_changes``'s.
+
+    Returns:
+        The record: one ``TensorRotation`` per changed tensor, in order.
+
+    Every new value computed here (float64, from the current values) is computed before any is assigned, so
+    an error while computing leaves the model as it was; the assignments are same-shape in-place copies.
+
+    Raises:
+        RotationError: a new value would not fit the tensor's dtype (float16's 65504), before any assignment.
+    """
+    planned = plan_changes(model, plan, sites, folded, read)
+    placed: dict[torch.device, dict[str, torch.Tensor]] = {}  # the matrices, one copy per device
+
+    def on(device: torch.device) -> dict[str, torch.Tensor]:
+        if device not in placed:
+            placed[device] = {name: m.values.to(device) for name, m in matrices.items()}
+        return placed[device]
+
+    new: list[tuple[torch.Tensor, torch.Tensor]] = []
+    later = []
+    for change in planned.changes:
+        p = change.tensor
+        op = change.op(on(p.device))
+        deferred = defer(p, op) if defer is not None else None
+        if deferred is not None:
+            later.append(deferred)
+            continue
+        new.append((p, op(p)))
     for p, value in new:
         p.copy_(value)
-    for p, value in fills:
+    for call in later:
+        call()
+    for p, value in planned.fills:
         p.fill_(value)
-    for name in plan.stream_sites:
-        if name in folded:
-            by_site[name].folded = True
-    return list(records.values())
+    by_site = {s.name: s for s in sites}
+    for name in planned.folded:
+        by_site[name].folded = True
+    return planned.records

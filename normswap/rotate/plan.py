@@ -198,6 +198,7 @@ def plan_rotation(
     untie: bool = True,
     heads: bool = False,
     skipped_tensors=(),
+    read=None,
 ) -> RotationPlan:
     """Plan the rotation of ``model``'s residual stream; changes nothing.
 
@@ -210,6 +211,8 @@ def plan_rotation(
         heads: also plan the per-head rotation of each attention's values and output projection.
         skipped_tensors: names of checkpoint tensors the loader did not load (the model never runs them):
             refused, since their inputs (the embeddings, the final hidden state) would be rotated.
+        read: ``read(name)`` gives a parameter's values for the fold plan's range test
+            (``normswap.fold.plan``; default ``model.get_parameter``; a streamed model reads them from disk).
 
     Returns:
         A ``RotationPlan``.
@@ -261,7 +264,8 @@ def plan_rotation(
             holder = _holder(_owners(rec, w.param), w.user.module, w.param)
             size = rec.tensors[w.param].shape[w.axis]
             group = rows[(w.param, w.axis)]
-            idx = None if size == width and torch.equal(group, torch.arange(width)) else group
+            whole = torch.arange(width, device=group.device)
+            idx = None if size == width and torch.equal(group, whole) else group
             target = Target(holder, w.axis, "output", idx, module=w.user.module)
             if not any(t.holder == holder and t.axis == w.axis for t in plan.writers):
                 plan.writers.append(target)
@@ -271,7 +275,7 @@ def plan_rotation(
             plan.returned.append(name)
     _check_uses(walk, plan)
     _check_untouched(model, walk, width, plan)
-    _precheck_weights(model, walk, plan, untie)
+    _precheck_weights(model, walk, plan, untie, read)
     if heads:
         from normswap.rotate.heads import plan_heads
 
@@ -434,10 +438,10 @@ def kept_bias_blocked(site: NormSite, walk: Walk) -> bool:
     )
 
 
-def _precheck_weights(model: nn.Module, walk: Walk, plan: RotationPlan, untie: bool) -> None:
+def _precheck_weights(model: nn.Module, walk: Walk, plan: RotationPlan, untie: bool, read=None) -> None:
     """Every stream norm will end weightless: refused now when it cannot (before any change)."""
     trial = copy.deepcopy(walk)  # fold.plan marks blocked sites on its walk: a copy (the real plan is later)
-    folds = {s.name for s in fold_plan(model, trial, untie=untie).sites}
+    folds = {s.name for s in fold_plan(model, trial, untie=untie, read=read).sites}
     by_name = {s.name: s for s in trial.sites}
     for name in plan.stream_sites:
         site, module = by_name[name], model.get_submodule(name)

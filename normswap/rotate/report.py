@@ -74,7 +74,7 @@ def rotate_reference(reference, rotation) -> int:
         for target in plan.heads.targets:
             if target.side == "head output" and target.holder[1] != "bias":
                 heads[target.holder[0]] = target.groups
-    writers = {target.module for target in plan.writers if target.side == "output"}
+    writers = {t.module for t in plan.writers} | {t.holder[0] for t in plan.writers}
     captures = reference.captures
     mapped = 0
     for probe in reference.probes:

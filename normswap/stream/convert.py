@@ -8,17 +8,22 @@ Every step runs on one device (``--device``: the CPU or a GPU), with one module'
    512 tokens of a 1.1B Llama, and the dataflow it records does not depend on the length);
 2. reference logits of the original, streamed the same way (the localization records in a temporary file,
    ``stream.records``, so the memory does not grow with the layer count);
-3. with ``--norm rmsnorm``, centering (``stream.transforms.center``: the in-memory plan, each change of a
-   weight a transform applied as it is read); ``normswap.fold.plan``; untying proved on two streamed
-   forwards as ``normswap.fold.untie_checked`` does;
+3. with ``--rotate``, the rotation planned (``normswap.rotate.plan_rotation`` on the streamed model, as in
+   memory before centering); with ``--norm rmsnorm`` (or a rotation of a LayerNorm stream), centering
+   (``stream.transforms.center``: the in-memory plan, each change of a weight a transform applied as it is
+   read); ``normswap.fold.plan``; untying proved on two streamed forwards as ``normswap.fold.untie_checked``
+   does; the rotation (``stream.transforms.rotate``: the stream norms folded and every rotated weight a
+   transform, as in memory);
 4. every output shard written tensor by tensor with the plan applied (``stream.plan``), into a hidden
    folder beside the output (``normswap.io.staging.Staging``), in the input's shard layout, with its index;
    every checkpoint tensor is written, also those the model class does not run (``stream.model.build``:
-   ``Streamed.skipped``; the final norm then stays unfolded, ``normswap.io.carry``);
+   ``Streamed.skipped``; the final norm then stays unfolded, ``normswap.io.carry``); a rotation's matrices
+   in ``normswap.rotate.ROTATION_FILE``;
 5. the check: the written checkpoint, streamed, with the fused norms swapped in, against the reference
-   (``normswap.check.compare``: same text, tolerance policy and localization);
+   (``normswap.check.compare``: same text, tolerance policy and localization; a rotated model's reference
+   records mapped through ``Q`` by ``normswap.rotate.rotate_reference``, as in memory);
 6. the folder verified by a fresh streamed load (``stream.verify``: the digest of every tensor as written,
-   the checked model's outputs);
+   the checked model's outputs; the saved rotation matrices against those applied);
 7. passed (or ``force``): the folder is exchanged with the output in one step; otherwise it is removed and
    the output is left as it was.
 
@@ -216,12 +221,12 @@ def release_memory() -> None:
         libc.malloc_trim(0)
 
 
-def _untie_checked(streamed: Streamed, folding, input_ids: torch.Tensor) -> list[str]:
+def _untie_checked(streamed: Streamed, folding, input_ids: torch.Tensor):
     """``normswap.fold.untie_checked`` on a streamed model (same proof, same rule), each untied Parameter a
-    placeholder read from the tensor it was tied to (``Streamed.copy``); returns the untied names."""
+    placeholder read from the tensor it was tied to (``Streamed.copy``); returns its ``Untied``."""
     from normswap.fold import untie_checked
 
-    return untie_checked(streamed.model, folding, input_ids, copy=streamed.copy).names
+    return untie_checked(streamed.model, folding, input_ids, copy=streamed.copy)
 
 
 def write_shards(
@@ -283,6 +288,9 @@ def convert_streamed(
     norm: str = "keep",
     device: torch.device | str = "cpu",
     choice=None,
+    rotate: str | None = None,
+    rotate_seed: int = 0,
+    rotate_heads: bool = False,
 ) -> tuple[dict[str, Any], bool]:
     """Convert ``source`` into ``output`` with bounded memory (see the module docstring).
 
@@ -293,6 +301,9 @@ def convert_streamed(
         untie: allow untying a tied ``lm_head`` to fold the final norm into it.
         norm: ``"keep"``, or ``"rmsnorm"``: center the LayerNorms into RMSNorms first
             (``stream.transforms.center``, as ``normswap.convert`` does in memory).
+        rotate, rotate_seed, rotate_heads: rotate the residual stream (``"hadamard"`` or ``"random"``), as
+            ``normswap.convert`` does in memory: the same tensors, ``ROTATION_FILE`` and records, bit for bit
+            (a LayerNorm stream centered first where it can be).
         device: where the weights are read to and every forward and fold runs (one module's weights at a
             time; see ``stream.model.build``).
         choice: ``normswap.memory.Choice`` that chose streaming (its budget and reason go into the report's
@@ -312,7 +323,9 @@ def convert_streamed(
 
     Raises:
         NormswapError: bad input, a model that cannot be streamed, or a write the disk refuses; the
-            output directory is then untouched.
+            output directory is then untouched. ``normswap.rotate.RotationError`` (one): a rotation refused
+            by its plan (before anything is written), or a rotated weight beyond its dtype's range (found as
+            it is written: the hidden folder is removed, the output untouched).
     """
     from normswap.check import compare, reference_outputs
     from normswap.convert import ConvertReport, already_converted, stream_transform
@@ -337,8 +350,9 @@ def convert_streamed(
     streamed = build(source.config, source.reader, source.dtype, device, trust_remote_code=trusted)
     inputs = carry.gather(source.info)  # the other files of the input
     inputs.skipped = streamed.skipped  # tensors the class does not run: every checkpoint tensor is written
-    if norm != "keep":
-        carry.refuse_changed_stream(source.info.source, streamed.model, inputs.skipped, f"--norm {norm}")
+    if norm != "keep" or rotate is not None:
+        option = f"--norm {norm}" if rotate is None else f"--rotate {rotate}"
+        carry.refuse_changed_stream(source.info.source, streamed.model, inputs.skipped, option)
     stages.start("walk", "finding the norms and their consumers (streamed)")
     walk_ids = short_inputs(input_ids)
     traced = _guarded(lambda: walk(streamed.model, walk_ids, keep_hidden_states=keep_hidden_states), source)
@@ -357,23 +371,61 @@ def convert_streamed(
         )
     release_memory()
     stages.start("convert", f"folding the norms into {len(source.reader.files)} shard(s) as they are written")
-    centered = embeds = None
+    centered = embeds = rotation_plan = not_centered = None
+
+    def read(name):
+        return _values(streamed.model, name)
+
+    if rotate is not None:
+        from normswap.rotate import KINDS, plan_rotation
+
+        if rotate not in KINDS:
+            raise ValueError(f"rotate must be one of {KINDS}, got {rotate!r}")
+        progress.note("planning the rotation of the residual stream (streamed) ...")
+        rotation_plan = _guarded(lambda: plan_rotation(streamed.model, traced, walk_ids, untie=untie,
+                                                       heads=rotate_heads, read=read), source)  # fmt: skip
+        release_memory()
+    from normswap.stream.transforms import center
+
     if norm == "rmsnorm":
         from normswap.center.inputs import original_embeds
 
-        if dist.is_main():  # to prove the inputs_embeds transform, read before centering changes the table
+        if dist.is_main() and rotate is None:  # to prove the inputs_embeds transform (as in memory)
             embeds = _guarded(lambda: original_embeds(streamed.model, input_ids), source)
-        from normswap.stream.transforms import center
-
         progress.note("centering the LayerNorms' inputs (streamed) ...")
         centered = _guarded(lambda: center(streamed, traced, walk_ids, untie=untie), source)
         release_memory()
+    elif rotation_plan is not None and rotation_plan.keep_ones:  # LayerNorms read the stream: center first
+        from normswap.center import CenteringError
+
+        progress.note("centering the LayerNorms' inputs before the rotation (streamed) ...")
+        try:
+            centered = _guarded(lambda: center(streamed, traced, walk_ids, untie=untie), source)
+            norm = "rmsnorm"
+        except CenteringError as error:  # unchanged: rotated uncentered, Q 1 = 1 keeps LayerNorm exact
+            not_centered = getattr(error, "what", None) or str(error)
+        release_memory()
     progress.note("planning the folds (each consumer weight read once) ...")
-    folding = plan(streamed.model, traced, untie=untie, read=lambda name: _values(streamed.model, name))
-    untied = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else []
+    folding = plan(streamed.model, traced, untie=untie, read=read)
+    untie_record = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else None
+    untied = untie_record.names if untie_record is not None else []
     if centered is not None:  # centering may untie an embedding written into the residual stream
         untied = centered.untied + untied
-    plans = tensor_plans(streamed, folding, source.dtype)
+    rotation = None
+    writes = folding
+    if rotation_plan is not None:
+        from normswap.fold import Untied
+        from normswap.rotate import check_folding
+        from normswap.stream.transforms import rotate as rotate_streamed
+
+        check_folding(streamed.model, traced, rotation_plan, folding, untie_record or Untied())
+        progress.note(f"rotating the residual stream ({rotate}; each weight as it is written) ...")
+        rotation = rotate_streamed(streamed, rotation_plan, traced.sites, folding, rotate, rotate_seed)
+        rotation.centered = centered is not None and centered.note is None
+        rotation.not_centered = not_centered
+        stream_sites = set(rotation_plan.stream_sites)  # folded in the rotation's float64 pass
+        writes = dataclasses.replace(folding, sites=[s for s in folding.sites if s.name not in stream_sites])
+    plans = tensor_plans(streamed, writes, source.dtype)
     config = streamed.model.config
     streamed.close()  # holds only the 1-D parameters from here on
     release_memory()
@@ -398,6 +450,7 @@ def convert_streamed(
             untie_bytes=folding.untie_bytes + (centered.untie_bytes if centered else 0),
             untouched=traced.untouched, keep_hidden_states=keep_hidden_states,
             centering=centered.to_dict() if centered is not None and centered.note is None else None,
+            rotation=rotation,
         )  # fmt: skip
         for site in traced.sites:
             if site.foldable and not site.folded:
@@ -405,6 +458,12 @@ def convert_streamed(
         passed = True
         if dist.is_main():
             _write_metadata(source, plans, built, config, inputs)
+            if rotation is not None:  # the matrices applied, as the in-memory save writes them
+                from normswap.io.save import write_extra_tensors
+                from normswap.rotate import ROTATION_FILE, rotate_reference
+
+                write_extra_tensors(built, {ROTATION_FILE: rotation.saved_tensors()})
+                rotate_reference(reference, rotation)  # the original's stream records, as the rotated model
             release_memory()
             stages.start("check", "comparing the converted model's outputs with the original's (streamed)")
             written_reader = CheckpointReader(built)
@@ -444,6 +503,16 @@ def convert_streamed(
                 "budget": choice.budget if choice is not None else None, "peak_weight_bytes": peak,
                 **device_peak(device), "choice": choice.to_dict() if choice is not None else None,
             }  # fmt: skip
+            if rotation is not None:  # the rotation's float64 matrices and one tensor's temporaries
+                from normswap.memory import rotation_bytes
+
+                largest = max((t.nbytes // t.dtype.itemsize for t in source.reader.tensors.values()),
+                              default=0)  # fmt: skip
+                heads = rotation.matrices.get("H")
+                data["streamed"]["rotation_bytes"] = rotation_bytes(
+                    rotation.Q.shape[0], heads.size if heads is not None else 0, tensor_numel=largest,
+                    tensor_bytes=largest * source.dtype.itemsize,
+                )  # fmt: skip
             if inputs:
                 data["carried"] = inputs.to_dict()
             stages.start("save", f"{out} (the shards are written; its manifest, then the exchange)")
@@ -453,6 +522,11 @@ def convert_streamed(
                 release_memory()
                 stages.start("verify", f"{out} by a fresh load (streamed)")
                 verified = _guarded(lambda: verify_streamed(built, expected, trusted, device), source)
+                if rotation is not None:
+                    from normswap.rotate import check_saved
+
+                    verified.failures += check_saved(built, rotation)
+                    verified.passed = not verified.failures
                 stages.stop()
                 verified.path = str(out)
                 data["verify"] = verified.to_dict()

@@ -8,11 +8,14 @@ gives the same bytes as in memory; everything else (which tensors change, the un
 biases, the config flags, the walk's records) is the in-memory code itself, unchanged:
 
 * ``center``: ``normswap.center.plan_centering`` records one streamed forward; ``prepare`` and ``commit``
-  run with ``Streamed.copy`` for untied holders and ``Streamed.transform`` for every change of values.
+  run with ``Streamed.copy`` for untied holders and ``Streamed.transform`` for every change of values;
+* ``rotate``: ``normswap.rotate.fold_and_rotate`` (its plan from ``normswap.rotate.plan_rotation`` on the
+  streamed model): every weight on disk gets its ``Change.op`` (fold, ``W -> W Q``, per-head ``H``, in
+  float64, rounded once) as a transform, applied to the copy read as each output tensor is written (never
+  to the input file); the resident norm parameters and biases change at once, as in memory.
 
 Another weight-changing step plugs in the same way: plan on the streamed model, then express each change of
-a tensor as ``Streamed.transform(parameter, op)``, with ``op`` a function of that tensor's values (a
-rotation ``W -> W Q`` is one).
+a tensor as ``Streamed.transform(parameter, op)``, with ``op`` a function of that tensor's values.
 """
 
 from __future__ import annotations
@@ -63,3 +66,38 @@ def center(streamed: Streamed, walk, inputs, *, untie: bool = True):
         plan.result.inputs = describe(streamed.model, plan)  # as in memory: before the commit
         commit(streamed.model, walk, plan, actions)
     return plan.result
+
+
+def _defer_released(streamed: Streamed):
+    def defer(target: torch.Tensor, op):
+        if not (isinstance(target, StreamedParameter) and is_released(target)):
+            return None  # resident (a norm scale, a bias) or made by the conversion: changed at once
+        return lambda: streamed.transform(target, op)
+
+    return defer
+
+
+def rotate(streamed: Streamed, plan, sites, folding, kind: str, seed: int):
+    """``normswap.rotate.fold_and_rotate`` on a streamed model: the same changes (``rotate.plan_changes``),
+    the same float64 arithmetic per tensor, each weight on disk changed as it is read.
+
+    Args:
+        streamed: the streamed model, centered and untied as the fold plan needs, no norm folded.
+        plan: ``normswap.rotate.plan_rotation`` of it (before centering, as in memory), checked by
+            ``check_folding``.
+        sites: the walk's sites.
+        folding: ``normswap.fold.plan`` of it; the stream norms it folds fold in the rotation's pass, so
+            ``stream.plan.tensor_plans`` must be given the other sites only.
+        kind, seed: the matrices'.
+
+    Returns:
+        ``normswap.rotate.Rotation``.
+
+    Raises:
+        normswap.rotate.RotationError: a resident tensor would leave its dtype's range (nothing changed); a
+            weight on disk raises it as it is written (``stream.plan.make_tensor``), in one line.
+    """
+    from normswap.rotate import fold_and_rotate
+
+    return fold_and_rotate(streamed.model, plan, sites, folding, kind, seed, defer=_defer_released(streamed),
+                           read=_read)  # fmt: skip
