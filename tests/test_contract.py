@@ -455,11 +455,12 @@ _LOCALIZED = [
 @pytest.mark.parametrize("options", [{"norm": "rmsnorm"}, {"rotate": "hadamard"}], ids=["center", "rotate"])
 @pytest.mark.parametrize("name", _LOCALIZED)
 def test_localization_after_centering_and_rotation(name, options):
-    """C37's whole kind: after centering or rotation, a correct conversion reports no divergence and a
-    consumer weight of layer 1 with every 7th entry scaled by 1.5 fails and is found at layer 1. The rows are the shapes that broke it:
-    fused MoE experts that read a norm and write the stream (phimoe, dbrx, gpt_oss, qwen2_moe), expert
-    outputs recorded as rows of selected tokens (dbrx), per-head q/k LayerNorms whose inputs centering
-    centers per head (cohere, persimmon), an embedding norm reading a rewritten table (bloom)."""
+    """C37's whole kind: after centering or rotation, a correct conversion reports no divergence, and a
+    consumer weight of layer 1 with every 7th entry scaled by 1.5 fails and is found at layer 1. The rows
+    are the shapes that broke it: fused MoE experts that read a norm and write the stream (phimoe, dbrx,
+    gpt_oss, qwen2_moe), expert outputs recorded as rows of selected tokens (dbrx), per-head q/k LayerNorms
+    whose inputs centering centers per head (cohere, persimmon), an embedding norm reading a rewritten table
+    (bloom)."""
     from normswap.center import CenteringError
     from normswap.rotate import RotationError
 
