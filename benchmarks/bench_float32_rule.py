@@ -276,7 +276,7 @@ def markdown(data: dict) -> str:
         lines += ["", "| run | exit | wall s | peak RSS MiB | verdict |", "|---|---|---|---|---|"]
         for r in data["cost"]:
             lines.append(f"| {r['what']} | {r['exit']} | {r['seconds']:.1f} | {r['peak_rss_mib']:.0f} | "
-                         f"{' / '.join(r['verdict'])} |")  # fmt: skip
+                         f"{' / '.join(r['verdict']).replace('|', chr(92) + '|')} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -290,7 +290,8 @@ def markdown(data: dict) -> str:
 @click.option(
     "--work", type=click.Path(file_okay=False, path_type=Path), default=None, help="Scratch parent."
 )
-def run(out: Path, with_cost: bool, work: Path | None):
+@click.option("--measure/--no-measure", default=True, help="--no-measure: keep the rows of --out's JSON.")
+def run(out: Path, with_cost: bool, work: Path | None, measure: bool):
     """Measure float32's two rules on SmolLM2 (and minilm-l6) conversions; see the module docstring."""
     from normswap import io
     from normswap.check import default_input_ids
@@ -299,18 +300,28 @@ def run(out: Path, with_cost: bool, work: Path | None):
     def log(line: str) -> None:
         print(line, flush=True)
 
-    tok = io.load_model("smollm2-135m", dtype="float32").tokenizer
-    inputs = {
-        "default text, 512 tokens": default_input_ids(tok, 512),
-        "LICENSE.txt, 1024 tokens": text_ids(tok, license_text(), 1024, source="LICENSE.txt", what="tokens"),
-    }
-    rows = measure_model("smollm2-135m", inputs, CORRECT | WRONG, log)
-    mtok = io.load_model("minilm-l6", dtype="float32").tokenizer
-    ln = {"fold": converted(), "LN bias dropped (layer 2 output)": scaled(
-        "encoder.layer.2.output.LayerNorm.bias", 0.0)}  # fmt: skip
-    rows += measure_model("minilm-l6", {"default text, 256 tokens": default_input_ids(mtok, 256)}, ln, log)
+    if measure:
+        tok = io.load_model("smollm2-135m", dtype="float32").tokenizer
+        license_ids = text_ids(tok, license_text(), 1024, source="LICENSE.txt", what="tokens")
+        inputs = {
+            "default text, 512 tokens": default_input_ids(tok, 512),
+            "LICENSE.txt, 1024 tokens": license_ids,
+        }
+        rows = measure_model("smollm2-135m", inputs, CORRECT | WRONG, log)
+        mtok = io.load_model("minilm-l6", dtype="float32").tokenizer
+        ln = {"fold": converted(), "LN bias dropped (layer 2 output)": scaled(
+            "encoder.layer.2.output.LayerNorm.bias", 0.0)}  # fmt: skip
+        rows += measure_model(
+            "minilm-l6", {"default text, 256 tokens": default_input_ids(mtok, 256)}, ln, log
+        )
+        command = (
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python benchmarks/bench_float32_rule.py"
+        )
+    else:
+        kept = json.loads((out / "float32_rule.json").read_text())
+        rows, command = kept["rows"], kept["command"] + ", then --no-measure"
     data = {
-        "command": "python benchmarks/bench_float32_rule.py" + ("" if with_cost else " --no-cost"),
+        "command": command + ("" if with_cost else " --no-cost"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), OMP_NUM_THREADS="
         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, torch {__import__('torch').__version__}",
