@@ -311,7 +311,7 @@ def test_in_memory_convert_reloads_the_original(tmp_path, monkeypatch):
 @pytest.mark.real
 def test_smollm2_rotated_on_license_text_passes():
     """SmolLM2-135M rotated (hadamard), checked on 1024 tokens of Python's LICENSE.txt: measured 2.2e-4
-    from the float32 original (over the fixed bound), e_conv / bound 0.4 (docs/CHECKING.md)."""
+    from the float32 original (over the fixed bound), e_conv / bound 0.15 (docs/CHECKING.md)."""
     from normswap import io
     from normswap.check.inputs import text_ids
 
@@ -325,6 +325,12 @@ def test_smollm2_rotated_on_license_text_passes():
     convert(loaded.model, rotate="hadamard")
     result = compare(reference, loaded.model, ids)
     assert result.passed, result.summary()
-    if result.rule == "float64 reference":
-        f64 = result.float64_reference
-        assert f64["e_conv"] <= f64["bound"] and f64["rerun_max_abs"] == 0.0
+    f64 = result.float64_reference
+    if result.rule == "fixed bound":  # this CPU rounded within 2e-4: the float64 numbers, computed anyway
+        from normswap.check.core import _forward
+        from normswap.check.policy import float64_summary
+
+        orig, conv, extra = float64_metrics(reference, _forward(loaded.model, ids)[1])
+        f64 = float64_summary(orig, conv) | extra
+    assert f64["rerun_max_abs"] == 0.0
+    assert f64["e_conv"] <= 0.5 * f64["bound"] and f64["kl_conv"] <= 0.5 * f64["kl_bound"]  # 0.15, 0.08
