@@ -531,7 +531,10 @@ def compare(
         input_ids: optional; must equal ``reference.input_ids`` if given.
         tolerance: overrides for :func:`~normswap.check.policy.default_tolerance` of the reference's
             dtype (keys ``max_abs``, ``top1`` for float32/64; ``k``, ``abs``, ``kl_abs`` for half;
-            ``localize_rtol``).
+            ``localize_rtol``). A ``max_abs`` or ``top1`` given here makes float32's fixed bound final;
+            otherwise, where it misses, ``reference.rerun`` gives the original again and both models are
+            judged against it in float64 (:func:`float64_metrics`, ``policy.FLOAT64_RULE``; ``rule`` and
+            ``float64_reference`` of the result say which rule decided and its numbers).
         sites: ``NormSite`` records after conversion (their ``folded``/``swapped``/``reason`` describe a
             divergence); defaults to the sites given to ``reference_outputs``.
         records: makes the mapping the converted model's localization records go into (as in
