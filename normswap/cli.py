@@ -325,7 +325,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     from normswap import io
     from normswap.center.inputs import original_embeds
     from normswap.center.inputs import prove as prove_inputs_transform
-    from normswap.check import compare, reference_outputs
+    from normswap.check import compare, reference_outputs, reload_original
     from normswap.convert import (
         KEEP_VS_CENTER,
         KEEP_VS_ROTATE,
@@ -382,7 +382,10 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     inputs.kept = carry.keep_final_norms(loaded.model, traced.sites, inputs.skipped)
     on = f"random {check_input['input']}" if "input" in check_input else f"{input_ids.shape[-1]} tokens"
     stages.start("reference", f"running the original on {on}")
-    reference = reference_outputs(loaded.model, input_ids, sites=traced.sites)
+    reload = functools.partial(io.load_model, model, dtype=dtype, trust_remote_code=trust_remote_code,
+                               tokenizer=False, device=device, device_map=device_map)  # fmt: skip
+    reference = reference_outputs(loaded.model, input_ids, sites=traced.sites,
+                                  rerun=reload_original(lambda: reload().model))  # fmt: skip
     embeds = original_embeds(loaded.model, input_ids) if norm == "rmsnorm" and rotate is None else None
     stages.start("convert", "folding and swapping the norms" + (f", rotating ({rotate})" if rotate else ""))
     traced_with = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
@@ -605,20 +608,6 @@ def _fmt(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def _tolerance_text(tol: dict, output_name: str = "logit") -> str:
-    """``{"max_abs": 2e-4, "top1": 1.0}`` -> ``"max |logit diff| <= 0.0002, top-1 >= 100%"``."""
-    parts = []
-    if "max_abs" in tol:
-        parts.append(f"max |{output_name} diff| <= {tol['max_abs']:g}")
-    if tol.get("top1") and output_name == "logit":
-        parts.append(f"top-1 >= {tol['top1']:.0%}")
-    if "k" in tol:
-        parts.append(f"error vs float32 <= {tol['k']:g} x the original's + {tol.get('abs', 0):g}")
-    if "kl_abs" in tol:
-        parts.append(f"KL vs float32 <= {tol['k']:g} x the original's + {tol['kl_abs']:g}")
-    return ", ".join(parts)
-
-
 def _size(nbytes: int) -> str:
     """``32768`` -> ``"32.0 KiB"`` (``progress.size``)."""
     return progress.size(nbytes)
@@ -669,7 +658,8 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
         output_name = {"logits": "logit", "last_hidden_state": "hidden state"}.get(
             check.get("output"), "logit"
         )
-        tol_text = _tolerance_text(check.get("tolerance") or {}, output_name)
+        from normswap.check.policy import verdict_line
+
         numbers = [f"max |{output_name} diff| {_fmt(check.get('max_abs_logit_diff'), '.3g')}"]
         if check.get("kl_mean") is not None:
             numbers.append(f"KL {check['kl_mean']:.3g}, top-1 {_fmt(check.get('top1_agreement'), '.2%')}")
@@ -677,8 +667,7 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
             numbers.append(f"ppl {check['ppl_original']:.4f} -> {_fmt(check.get('ppl_converted'), '.4f')}")
         unit = "output rows" if check_input.get("source") == "random" else "tokens"
         lines.append(f"check:    {check.get('tokens')} {unit}, " + ", ".join(numbers))
-        verdict = "PASSED" if check.get("passed") else "FAILED"
-        lines.append(f"          {verdict}" + (f" (tolerance: {tol_text})" if tol_text else ""))
+        lines.append(f"          {verdict_line(check)}")
         for failure in check.get("failures") or []:
             lines.append(f"          - {failure}")
         if check.get("divergence"):

@@ -561,7 +561,7 @@ def run_entry(
     the unconverted copy (logits, and every returned output through the check's contract); with ``rotate``,
     also ``run_rotation`` on another copy; float32 throughout, TF32 off. ``keep``: the result holds
     ``(original, converted)`` in ``models``."""
-    from normswap.check import compare, reference_outputs
+    from normswap.check import compare, keep_original, reference_outputs
     from normswap.convert import convert, stream_transform
 
     result = ZooResult(entry.name, entry.model_type)
@@ -572,7 +572,7 @@ def run_entry(
         before = model_outputs(reference, ids)
         if rotate:
             result.rotation = run_rotation(reference, ids, before)
-        recorded = reference_outputs(model, ids)
+        recorded = reference_outputs(model, ids, rerun=keep_original(reference))
         report = convert(model)
         after = model_outputs(model, ids)
         checked = compare(recorded, model, ids, sites=report.sites, transform=stream_transform(report))

@@ -2,7 +2,9 @@
 
 Public API: :func:`check` (both models in memory), :func:`reference_outputs` + :func:`compare` (lean:
 reference first, convert in place, then compare), :func:`default_input_ids` (:func:`vocabulary_ids` for a
-model without a tokenizer), :class:`CheckResult`.
+model without a tokenizer), :class:`CheckResult`; for float32's second rule (the float64 reference, where
+the fixed bound misses) :func:`reload_original` / :func:`keep_original` give ``reference_outputs(rerun=)``,
+:class:`NoFloat64Reference` says why it could not run.
 See docs/CHECKING.md. The names are imported on first use, so that the CLI's ``check`` command (in
 ``command.py``) registers without importing torch.
 """
@@ -13,6 +15,11 @@ import importlib
 
 _LAZY = {
     "CheckResult": ".core",
+    "NoFloat64Reference": ".core",
+    "FLOAT64_RULE": ".policy",
+    "float64_metrics": ".core",
+    "keep_original": ".core",
+    "reload_original": ".core",
     "Reference": ".core",
     "check": ".core",
     "compare": ".core",

@@ -42,7 +42,8 @@ def _manifest_sites(path) -> list:
 @click.option(
     "--max-abs",
     type=click.FloatRange(min=0),
-    help="Override the tolerance on the max abs logit difference.",
+    help="Override the tolerance on the max abs logit difference; the fixed bound is then final (no "
+    "float64 reference, docs/CHECKING.md).",
 )
 @click.option("--device-map", help='Passed to from_pretrained, e.g. "auto".')
 @device_option
@@ -69,7 +70,7 @@ def check_command(
     input. A CONVERTED whose manifest says it was centered (--norm rmsnorm) is compared like with like: its
     residual stream against the original's, centered.
     """
-    from normswap.check import compare, reference_outputs
+    from normswap.check import compare, reference_outputs, reload_original
     from normswap.check.inputs import (
         check_positions,
         check_same_model,
@@ -127,7 +128,9 @@ def check_command(
         raise NormswapError(f"{converted}: its norm sites are not modules of {original} (different models?)")
     on = f"{input_ids.shape[1]} tokens" if signal is None else f"a random {signal[1].get('input', 'input')}"
     stages.start("reference", f"running {original} on {on}")
-    reference = reference_outputs(model, input_ids, sites=sites, greedy_tokens=greedy)
+    original_kw = dict(kw)  # ORIGINAL reloaded as it was loaded, for the float64 rule (docs/CHECKING.md)
+    rerun = reload_original(lambda: load_for_eval(original, tokenizer=False, **original_kw)[0])
+    reference = reference_outputs(model, input_ids, sites=sites, greedy_tokens=greedy, rerun=rerun)
     del model  # lean: one model in memory at a time
     stages.start("load", f"{converted} ({kw['dtype']})")
     other, _ = load_for_eval(converted, tokenizer=False, **kw)

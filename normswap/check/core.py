@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import resource
+import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -23,7 +25,21 @@ from .metrics import (
     perplexity,
     summarize_logits,
 )
-from .policy import HALF, default_tolerance, dtype_name, judge, top1_within_margin
+from .policy import (
+    EXPLICIT_KEYS,
+    FIXED,
+    FLOAT32,
+    FLOAT64,
+    FLOAT64_RULE,
+    HALF,
+    against_reference,
+    default_tolerance,
+    dtype_name,
+    float64_summary,
+    judge,
+    top1_within_margin,
+    verdict_line,
+)
 
 MAX_LOGITS_BYTES = 2**30  # keep reference logits up to this size; summarize beyond
 
@@ -52,6 +68,9 @@ class Reference:
         sites: the ``NormSite`` records or names given.
         greedy: ``(B, N)`` long, the original's greedy continuation, or ``None``.
         peak_rss_mib: process peak resident memory when the reference was done.
+        rerun: float32 only: returns the original model again (a fresh reload, a rebuild over its shards,
+            a kept copy: :func:`reload_original`), which :func:`compare` may change and drops; ``None``
+            when it cannot be re-obtained. Called only when the fixed bound misses (``policy``).
     """
 
     input_ids: torch.Tensor
@@ -69,6 +88,7 @@ class Reference:
     sites: list = field(default_factory=list)
     greedy: torch.Tensor | None = None
     peak_rss_mib: float = 0.0
+    rerun: Callable[[], torch.nn.Module] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +115,15 @@ class CheckResult:
     ``contract`` states, per returned output (the main one first, then every hidden state, the base model's
     last hidden state, encoder outputs), "same", "changed by design" with the reason, or "changed"
     (``contract.OutputContract.to_dict()``); ``transform`` is the stream transform allowed by design.
+    ``rule`` names the rule that decided (``policy``): ``"fixed bound"`` (float32/float64: max abs and
+    top-1 against the original), ``"float64 reference"`` (float32, when the fixed bound missed) or
+    ``"float32 reference"`` (half precision). ``float64_reference``: where the float64 rule ran,
+    ``e_orig``, ``e_conv`` (max abs difference of each model's logits from the float64-upcast original's),
+    ``kl_orig``, ``kl_conv`` (mean KL(float64 || model), nats), ``bound``, ``kl_bound``, the rule's
+    constants, ``fixed_bound_missed`` (the fixed bound's failed criteria), ``seconds`` (the rerun's time),
+    ``rerun_max_abs`` (the re-obtained original in float32 against the reference: 0 for the same model);
+    ``{"unavailable": reason, "fixed_bound_missed": [...]}`` where the original could not be re-obtained
+    or run in float64 (the fixed bound is then final); ``None`` where it did not run.
     """
 
     max_abs_logit_diff: float
@@ -123,6 +152,8 @@ class CheckResult:
     reference_mib: float = 0.0
     contract: list[dict] = field(default_factory=list)
     transform: dict | None = None
+    rule: str = FIXED
+    float64_reference: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,6 +162,7 @@ class CheckResult:
         """A few human-readable lines."""
         verdict = "PASS" if self.passed else "FAIL"
         lines = [f"check {verdict} ({self.dtype}, {self.tokens} tokens, {self.output})"]
+        lines.append(f"  {verdict_line(self.to_dict())}")
         lines.append(f"  max abs diff {self.max_abs_logit_diff:.3g}  mean abs {self.mean_abs_logit_diff:.3g}")
         if self.kl_mean is not None:
             near = (
@@ -227,22 +259,27 @@ def _forward_all(
 
 
 @contextlib.contextmanager
-def upcast(model: torch.nn.Module):
-    """Temporarily hold every floating parameter and buffer in float32; restores each one's own dtype.
+def upcast(model: torch.nn.Module, dtype: torch.dtype = torch.float32, *, restore: bool = True):
+    """Hold every floating parameter and buffer of a narrower dtype in ``dtype`` (float32 or float64)
+    inside the block; restores each one's own dtype after (``restore=False``: the model stays in ``dtype``).
 
-    Exact for bfloat16/float16 values (they are float32 values), so the restored model is bit-identical.
-    Temporarily needs the model's float32 size in memory.
+    Exact (``dtype`` holds every value of the narrower dtypes: bfloat16/float16 -> float32, float32 ->
+    float64), so the restored model is bit-identical. Needs the model's ``dtype`` size in memory beside
+    the original values (``restore=False``: each tensor's old values are freed as it is converted, so the
+    peak is the ``dtype`` size). Tensors whose bytes stay on disk (``normswap.stream``'s released
+    placeholders) stay there, read in ``dtype`` when their module runs.
     """
     saved = []
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.is_floating_point() and t.dtype != torch.float32:
-            saved.append((t, t.data))
+        if t.is_floating_point() and t.dtype != dtype and t.dtype.itemsize <= dtype.itemsize:
+            if restore:
+                saved.append((t, t.data))
             if t.numel() and t.untyped_storage().nbytes() == 0:  # bytes on disk (normswap.stream): stay there
-                empty = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+                empty = torch.empty(t.shape, dtype=dtype, device=t.device)
                 empty.untyped_storage().resize_(0)
                 t.data = empty
             else:
-                t.data = t.data.float()
+                t.data = t.data.to(dtype)
     try:
         yield model
     finally:
@@ -319,6 +356,7 @@ def reference_outputs(
     greedy_tokens: int = 0,
     max_logits_bytes: int = MAX_LOGITS_BYTES,
     records: Callable[[], MutableMapping[str, torch.Tensor]] | None = None,
+    rerun: Callable[[], torch.nn.Module] | None = None,
 ) -> Reference:
     """Run the original model once and keep only what :func:`compare` needs (call BEFORE converting in place).
 
@@ -342,6 +380,9 @@ def reference_outputs(
         max_logits_bytes: above this many bytes the logits are summarized instead of kept.
         records: makes the mapping each localization capture records into (default: a dict in memory;
             ``normswap.stream.records.DiskRecords`` keeps them in a temporary file).
+        rerun: float32: returns the original model again, for :func:`compare`'s float64 rule when the
+            fixed bound misses (:func:`reload_original`, or ``lambda: copy.deepcopy(original)``); ``None``:
+            the fixed bound is final (see ``Reference.rerun``).
 
     Raises:
         ValueError: if ``input_ids`` is not a 2-D integer tensor with at least 2 positions.
@@ -365,6 +406,7 @@ def reference_outputs(
     _refuse_nonfinite(outputs, input_ids, kind, "")
     ref = Reference(input_ids, kind, dtype, *_keep(outputs, targets, kind, max_logits_bytes))
     ref.probes, ref.captures, ref.sites, ref.returned = probes, cap.records, list(sites or []), returned
+    ref.rerun = rerun
     if dtype in HALF:
         returned32 = records() if records else {}
         with upcast(model), Capture(model, probes, input_ids, records and records()) as cap32:
@@ -382,6 +424,91 @@ def reference_outputs(
         ref.greedy = _greedy(model, input_ids, greedy_tokens)
     ref.peak_rss_mib = peak_rss_mib()
     return ref
+
+
+class NoFloat64Reference(Exception):
+    """The float64 rule cannot run: the original cannot be re-obtained (``Reference.rerun`` is ``None``:
+    converted in place with no source to reload), its reload failed, it is not the same model, or it does
+    not run in float64 (a device without float64). The fixed bound is then final; the message says why."""
+
+
+def reload_original(load: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    """``Reference.rerun`` from a function that loads the original again (from its source: a hub id, a
+    directory, a GGUF file; or rebuilt over untouched shards): any error it raises (a source gone, a hub
+    offline) becomes :class:`NoFloat64Reference` with its first line."""
+
+    def rerun() -> torch.nn.Module:
+        try:
+            return load()
+        except Exception as error:  # noqa: BLE001 - any loader's error: the fixed bound stays final
+            line = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise NoFloat64Reference(f"reloading the original failed ({line})") from error
+
+    return rerun
+
+
+def keep_original(original: torch.nn.Module) -> Callable[[], torch.nn.Module]:
+    """``Reference.rerun`` for an original that stays in memory, unconverted (:func:`check`): a deep copy
+    of it (the rule changes the copy's dtype and drops it; ``original`` is not touched)."""
+    return lambda: copy.deepcopy(original)
+
+
+@exact_float32()
+@torch.no_grad()
+def float64_metrics(reference: Reference, conv: torch.Tensor) -> tuple[dict, dict, dict]:
+    """The original and the converted model against the float64-upcast original, on the reference's input.
+
+    Calls ``reference.rerun()``, runs that model once in its own dtype (it must reproduce the reference's
+    outputs within the dtype's fixed bound: the same model) and once with every floating parameter and
+    buffer upcast to float64 (:func:`upcast`, in place: the rerun's model is dropped after).
+
+    Args:
+        reference: from :func:`reference_outputs` with ``rerun``.
+        conv: the converted model's ``(N, V)`` logits (or ``(N, D)`` hidden states) on the reference's input.
+
+    Returns:
+        ``(original's metrics, converted metrics, extra)`` against the float64 outputs
+        (``logit_metrics``/``hidden_metrics``); ``extra``: ``seconds`` of the rerun, ``rerun_max_abs``.
+        Peak memory: the rerun's model in float64 (twice its float32 size) and one float64 forward's
+        activations and outputs, beside the converted model and what the check holds.
+
+    Raises:
+        NoFloat64Reference: no ``rerun``, its model is not the same as the reference's, or it fails.
+    """
+    if reference.rerun is None:
+        raise NoFloat64Reference("the original cannot be re-obtained (converted in place, no source given)")
+    start = time.perf_counter()
+    model = reference.rerun()
+    try:
+        ids, targets, kind = reference.input_ids, _targets(reference.input_ids), reference.output
+        own_dtype = dtype_name(_model_dtype(model))
+        if own_dtype != reference.dtype:
+            raise NoFloat64Reference(
+                f"the re-obtained original is {own_dtype}, the checked one {reference.dtype}"
+            )
+        _, own = _forward(model, ids)
+        ref_out = reference.outputs if reference.outputs is not None else reference.summary
+        same = _metrics(kind, ref_out, own, targets)["max_abs"]
+        if not same <= default_tolerance(reference.dtype)["max_abs"]:
+            raise NoFloat64Reference(
+                f"the re-obtained original is not the same model (its outputs differ from the reference's "
+                f"by {same:.3g})"
+            )
+        with upcast(model, torch.float64, restore=False):
+            _, out64 = _forward(model, ids)
+    except NoFloat64Reference:
+        raise
+    except Exception as error:  # noqa: BLE001 - float64 not supported here, out of memory: fixed bound final
+        line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise NoFloat64Reference(f"the original does not run in float64 here ({line})") from error
+    finally:
+        del model
+    if not bool(torch.isfinite(out64).all()):
+        raise NoFloat64Reference("the float64 original's outputs are not finite")
+    orig = _metrics(kind, out64, own, targets)
+    del own
+    converted = _metrics(kind, out64, conv, targets)
+    return orig, converted, {"seconds": time.perf_counter() - start, "rerun_max_abs": same}
 
 
 @exact_float32()
@@ -404,7 +531,10 @@ def compare(
         input_ids: optional; must equal ``reference.input_ids`` if given.
         tolerance: overrides for :func:`~normswap.check.policy.default_tolerance` of the reference's
             dtype (keys ``max_abs``, ``top1`` for float32/64; ``k``, ``abs``, ``kl_abs`` for half;
-            ``localize_rtol``).
+            ``localize_rtol``). A ``max_abs`` or ``top1`` given here makes float32's fixed bound final;
+            otherwise, where it misses, ``reference.rerun`` gives the original again and both models are
+            judged against it in float64 (:func:`float64_metrics`, ``policy.FLOAT64_RULE``; ``rule`` and
+            ``float64_reference`` of the result say which rule decided and its numbers).
         sites: ``NormSite`` records after conversion (their ``folded``/``swapped``/``reason`` describe a
             divergence); defaults to the sites given to ``reference_outputs``.
         records: makes the mapping the converted model's localization records go into (as in
@@ -450,6 +580,19 @@ def compare(
             "converted": _metrics(kind, reference.upcast, conv, targets),
         }
     failures = judge(m, tol, half)
+    rule, f64 = (FLOAT32 if half is not None else FIXED), None
+    explicit = any(key in (tolerance or {}) for key in EXPLICIT_KEYS)
+    nonfinite = m.get("nonfinite_ref") or m.get("nonfinite_conv")
+    if failures and reference.dtype == "float32" and not explicit and not nonfinite:
+        try:
+            orig64, conv64, extra = float64_metrics(reference, conv)
+        except NoFloat64Reference as why:
+            f64 = {"unavailable": str(why), "fixed_bound_missed": list(failures)}
+        else:
+            rule = FLOAT64
+            f64 = float64_summary(orig64, conv64) | extra | {"fixed_bound_missed": list(failures)}
+            missed = against_reference(orig64, conv64, FLOAT64_RULE, "float64")
+            failures = failures + missed if missed else []
     verdict = contract.CHANGED if failures else contract.SAME
     main = contract.OutputContract(kind, verdict, m["max_abs"], None, None)
     entries, broken = contract.judge(
@@ -503,6 +646,8 @@ def compare(
         reference_mib=reference.nbytes / 2**20,
         contract=[e.to_dict() for e in [main, *entries]],
         transform=transform.to_dict() if transform is not None else None,
+        rule=rule,
+        float64_reference=f64,
     )
 
 
@@ -519,9 +664,12 @@ def check(
 
     Both models are in memory (about 2x one model); to convert in place and keep about 1x, call
     :func:`reference_outputs` before converting and :func:`compare` after (lean mode).
-    Arguments as in :func:`reference_outputs` and :func:`compare`.
+    Arguments as in :func:`reference_outputs` and :func:`compare`; a float32 check whose fixed bound
+    misses runs a copy of ``original`` in float64 (:func:`keep_original`).
     """
-    ref = reference_outputs(original, input_ids, sites=sites, greedy_tokens=greedy_tokens)
+    ref = reference_outputs(
+        original, input_ids, sites=sites, greedy_tokens=greedy_tokens, rerun=keep_original(original)
+    )
     return compare(ref, converted, input_ids, tolerance, sites=sites)
 
 

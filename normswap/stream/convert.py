@@ -327,7 +327,7 @@ def convert_streamed(
             by its plan (before anything is written), or a rotated weight beyond its dtype's range (found as
             it is written: the hidden folder is removed, the output untouched).
     """
-    from normswap.check import compare, reference_outputs
+    from normswap.check import compare, reference_outputs, reload_original
     from normswap.convert import ConvertReport, already_converted, stream_transform
     from normswap.fold import plan
     from normswap.io import files
@@ -366,8 +366,12 @@ def convert_streamed(
     reference = None
     if dist.is_main():  # only the main process checks
         stages.start("reference", f"running the original on {input_ids.shape[-1]} tokens (streamed)")
+        rerun = reload_original(lambda: _original(source, device))
         reference = _guarded(
-            lambda: reference_outputs(streamed.model, input_ids, sites=traced.sites, records=records), source
+            lambda: reference_outputs(
+                streamed.model, input_ids, sites=traced.sites, records=records, rerun=rerun
+            ),
+            source,
         )
     release_memory()
     stages.start("convert", f"folding the norms into {len(source.reader.files)} shard(s) as they are written")
@@ -560,6 +564,14 @@ def device_peak(device: torch.device | str) -> dict[str, int]:
     if device.type != "cuda":
         return {}
     return {"peak_device_bytes": int(torch.cuda.max_memory_allocated(device))}
+
+
+def _original(source: Source, device) -> torch.nn.Module:
+    """The original model again, streamed over the input's shards (which the conversion never changes):
+    the check's float64 rule runs it (``normswap.check.reload_original``)."""
+    return build(
+        source.config, source.reader, source.dtype, device, trust_remote_code=source.trust_remote_code
+    ).model
 
 
 def _values(model: torch.nn.Module, name: str) -> torch.Tensor:
