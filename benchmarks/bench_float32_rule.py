@@ -19,7 +19,7 @@ its own error is ``pure64`` vs float64). Then each variant, made from a copy of 
   LayerNorm bias dropped (zeroed), then converted.
 
 Per variant and input: the fixed bound's numbers (max abs vs the float32 original, top-1 agreement) and
-verdict, and the float64 rule's (``e_conv``, ``e_orig``, ``kl_conv``, ``kl_orig``, ``bound = 4 e_orig +
+verdict, and the float64 rule's (``e_conv``, ``e_orig``, ``kl_conv``, ``kl_orig``, ``bound = 2 e_orig +
 5e-5``, ``e_conv / bound``) and verdict. With cost (not ``--no-cost``): ``normswap convert smollm2-135m
 --rotate hadamard`` saved once, then ``normswap check`` of it against the original on the LICENSE
 text, 1024 tokens, each in its own process under ``/usr/bin/time -v``: as is (the fixed bound misses, the
