@@ -1,17 +1,43 @@
 """``python -m normswap`` and the ``normswap`` command: the command-line interface (``normswap.cli``)."""
 
+import signal
 import sys
 
 
+class _Terminated(BaseException):
+    """SIGTERM while the CLI is still being imported."""
+
+
+def _terminated(signum, frame):
+    raise _Terminated
+
+
 def run() -> None:
-    """Run the CLI. Ctrl-C exits 130 also while the CLI is still being imported (``normswap.cli.main``
-    answers it at every later moment)."""
+    """Run the CLI. Ctrl-C (SIGTERM) exits 130 (143) with one line also while the CLI is still being
+    imported (``normswap.cli.main`` answers them at every later moment); nothing is written by then."""
+    try:
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # SIGTERM ignored by the caller stays so
+            signal.signal(signal.SIGTERM, _terminated)
+    except ValueError:  # not the main thread
+        pass
     try:
         from normswap.cli import main
     except KeyboardInterrupt:
-        print("\nnormswap: interrupted; nothing was written", file=sys.stderr)
-        sys.exit(130)
-    main()
+        _last_line("interrupted", 130, newline=True)
+    except _Terminated:
+        _last_line("terminated by SIGTERM", 143)
+    try:
+        main()
+    except _Terminated:  # between the import and the CLI's own handler
+        _last_line("terminated by SIGTERM", 143)
+
+
+def _last_line(how: str, code: int, newline: bool = False) -> None:
+    """Write ``normswap: {how}; nothing was written`` (after a newline that ends a terminal's ``^C`` echo,
+    when ``newline`` and stderr is a terminal) and exit ``code``."""
+    start = "\n" if newline and sys.stderr.isatty() else ""
+    print(f"{start}normswap: {how}; nothing was written", file=sys.stderr)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Command-line interface: thin click commands over the Python API (no logic lives here).
 
-Exit codes: 0 success, 1 the logits check failed, 2 bad input or usage (one line on stderr), 130 interrupted.
+Exit codes: 0 success, 1 the logits check failed, 2 bad input or usage (one line on stderr), 130 interrupted
+(Ctrl-C), 143 terminated (SIGTERM).
 Progress lines and stage times (``normswap.progress``) go to stderr only when it is a terminal.
 """
 
@@ -10,6 +11,7 @@ import contextlib
 import errno
 import functools
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -38,119 +40,174 @@ def _cli_wording(message: str) -> str:
     return message
 
 
+class _Interrupted(BaseException):
+    """An interrupt carried past click's ``main``, which would write an empty line for a KeyboardInterrupt
+    (to end a terminal's ``^C`` echo, also off a terminal): the CLI writes its one line itself."""
+
+
+class _Context(click.Context):
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        except KeyboardInterrupt as error:  # between the command's end and the exit
+            raise _Interrupted from error
+
+
 class _Group(click.Group):
     """Turns a ``NormswapError`` raised by any command into one stderr line and exit code 2, and an
-    interrupt (Ctrl-C) at any moment into exit code 130 with a line saying what state the output is in."""
+    interrupt (Ctrl-C: SIGINT) or a termination (``kill``, ``timeout``, ``docker stop``: SIGTERM) at any
+    moment into exit code 130 or 143 (128 + the signal's number) with a line saying what state the output
+    is in."""
+
+    context_class = _Context
 
     def invoke(self, ctx: click.Context):
         try:
             result = super().invoke(ctx)
         except NormswapError as error:
-            if _sigint.seen:  # a library turned the KeyboardInterrupt into an error (see _Sigint)
-                raise KeyboardInterrupt from error
+            if _signals.seen:  # a library turned the KeyboardInterrupt into an error (see _Signals)
+                raise _Interrupted from error
             click.echo(f"normswap: error: {_cli_wording(str(error))}", err=True)
             ctx.exit(2)
         except SystemExit:  # the command chose its exit code after its work
             ctx.meta[_INTERRUPT] = "finished"
             raise
+        except KeyboardInterrupt as error:
+            raise _Interrupted from error
         ctx.meta[_INTERRUPT] = "finished"
         return result
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        """click's ``main``, except that Ctrl-C exits 130 wherever it lands: click's standalone mode turns an
-        interrupt outside the command body (while click parses the arguments, or between the command's end
-        and the exit) into "Aborted!" and exit code 1, and a library may turn it into another error."""
+        """click's ``main``, except that Ctrl-C (SIGTERM) exits 130 (143) wherever it lands: click's
+        standalone mode turns an interrupt outside the command body (while click parses the arguments, or
+        between the command's end and the exit) into "Aborted!" and exit code 1, and a library may turn it
+        into another error."""
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
-            with _sigint:
+            with _signals:
                 code, interrupted = None, False
                 try:
                     code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+                except _Interrupted:
+                    interrupted = True
                 except click.Abort as error:  # click raises it from a KeyboardInterrupt or an EOF at a prompt
                     interrupted = isinstance(error.__context__, KeyboardInterrupt)
-                    if not (interrupted or _sigint.seen):
+                    if not (interrupted or _signals.seen):
                         click.echo("Aborted!", err=True)
                         sys.exit(1)
                 except click.ClickException as error:
-                    if not _sigint.seen:
+                    if not _signals.seen:
                         error.show()
                         sys.exit(error.exit_code)
                 except OSError as error:  # stdout closed early (| head): quiet, as click's standalone mode
-                    if error.errno != errno.EPIPE or _sigint.seen:
+                    if error.errno != errno.EPIPE or _signals.seen:
                         raise
                     sys.stdout = open(os.devnull, "w")  # the interpreter closes it at exit
                     sys.exit(1)
                 except (Exception, SystemExit):
-                    if not _sigint.seen:
+                    if not _signals.seen:
                         raise
-                if not (interrupted or _sigint.seen):
+                if not (interrupted or _signals.seen):
                     sys.exit(code if isinstance(code, int) else 0)
                 with _no_interrupts():  # one clean line, even if Ctrl-C is pressed again
+                    if _signals.signum == signal.SIGINT and _signals.seen and _stderr_is_terminal():
+                        click.echo(err=True)  # the terminal echoed ^C where the cursor was
                     click.echo(_interrupted(self._meta), err=True)
-                sys.exit(130)
-        except KeyboardInterrupt:  # pressed again within the handlers above
-            sys.exit(130)
+                sys.exit(_signals.exit_code)
+        except (KeyboardInterrupt, _Interrupted):  # pressed again within the handlers above
+            sys.exit(_signals.exit_code)
         except Exception:  # the error a library made of an interrupt
-            if _sigint.seen:
-                sys.exit(130)
+            if _signals.seen:
+                sys.exit(_signals.exit_code)
             raise
 
     def make_context(self, info_name, args, parent=None, **extra):
-        ctx = super().make_context(info_name, args, parent=parent, **extra)
+        try:
+            ctx = super().make_context(info_name, args, parent=parent, **extra)
+        except KeyboardInterrupt as error:  # while click parses the arguments
+            raise _Interrupted from error
         self._meta = ctx.meta  # shared by the command's context: where _stages leaves its record
         return ctx
 
     _meta: dict = {}
 
 
-class _Sigint:
-    """While the CLI runs (``with _sigint:``), SIGINT raises KeyboardInterrupt as Python's own handler does
-    and also sets ``seen``: some libraries catch every exception while they import a module and leave
-    another error behind (transformers then reports "Could not import module 'LlamaConfig'"), so the CLI
-    asks ``seen``, not the exception, whether the user pressed Ctrl-C. Outside the main thread: a no-op."""
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
+
+
+class _Signals:
+    """While the CLI runs (``with _signals:``), SIGINT (Ctrl-C) and SIGTERM (``kill``, ``timeout``,
+    ``docker stop``) raise KeyboardInterrupt, as Python's own handler does for SIGINT, so that whatever a
+    command was writing is removed on the way out (``normswap.io.staging``); ``seen`` says that one arrived
+    and ``signum`` which came first. Some libraries catch every exception while they import a module and
+    leave another error behind (transformers then reports "Could not import module 'LlamaConfig'"), so the
+    CLI asks ``seen``, not the exception, whether a signal stopped it.
+
+    A second SIGTERM is ignored (the cleanup the first one started goes on; SIGKILL is the way to stop
+    that); a second SIGINT interrupts again, as at any Python prompt. SIGTERM ignored by whoever started
+    the process stays ignored. Outside the main thread: a no-op."""
 
     seen = False
+    signum = signal.SIGINT
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the first signal's number (130 for SIGINT, 143 for SIGTERM); 130 without a signal."""
+        return 128 + int(self.signum)
+
+    @property
+    def how(self) -> str:
+        """How the command was stopped, as the interrupt line says it."""
+        return "terminated by SIGTERM" if self.signum == signal.SIGTERM else "interrupted"
 
     def _handler(self, signum, frame):
-        self.seen = True
+        if self.seen and signum == signal.SIGTERM:
+            return
+        if not self.seen:
+            self.seen, self.signum = True, signal.Signals(signum)
         raise KeyboardInterrupt
 
     def __enter__(self):
-        import signal
-
-        self.seen, self._previous = False, None
-        with contextlib.suppress(ValueError):  # not the main thread
-            self._previous = signal.signal(signal.SIGINT, self._handler)
+        self.seen, self.signum, self._previous = False, signal.SIGINT, {}
+        for number in (signal.SIGINT, signal.SIGTERM):
+            try:
+                if number == signal.SIGTERM and signal.getsignal(number) == signal.SIG_IGN:
+                    continue
+                self._previous[number] = signal.signal(number, self._handler)
+            except ValueError:  # not the main thread
+                break
         return self
 
     def __exit__(self, *exc):
-        import signal
-
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for number, previous in self._previous.items():
+            signal.signal(number, previous if previous is not None else signal.SIG_DFL)
 
 
-_sigint = _Sigint()
+_signals = _Signals()
 
 
 @contextlib.contextmanager
 def _no_interrupts():
-    """Within the block, SIGINT is ignored (restored after; a no-op outside the main thread)."""
-    import signal
-
+    """Within the block, SIGINT and SIGTERM are ignored (restored after; a no-op outside the main thread)."""
+    previous = {}
     try:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for number in (signal.SIGINT, signal.SIGTERM):
+            previous[number] = signal.signal(number, signal.SIG_IGN)
     except ValueError:
-        yield
-        return
+        pass
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
 
 
-_INTERRUPT = "normswap.interrupt"  # click context meta: (Stages, output path) of the running command
+_INTERRUPT = "normswap.interrupt"  # click context meta: (Stages, output path, its absolute path)
 
 
 def _stages(output: Path | None = None) -> progress.Stages:
@@ -158,7 +215,11 @@ def _stages(output: Path | None = None) -> progress.Stages:
     stages = progress.Stages()
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
-        ctx.meta[_INTERRUPT] = (stages, output)
+        absolute = None
+        if output is not None:
+            with contextlib.suppress(OSError, RuntimeError):
+                absolute = Path(output).expanduser().resolve()
+        ctx.meta[_INTERRUPT] = (stages, output, absolute)
     return stages
 
 
@@ -171,20 +232,31 @@ def _finished() -> None:
 
 def _interrupted(meta: dict) -> str:
     """What an interrupt of the running command left, as a line for stderr (``meta``: its context's)."""
+    how = _signals.how
     if meta.get(_INTERRUPT) == "finished":
-        return "normswap: interrupted after the command finished; what it printed and wrote is complete"
-    stages, output = meta.get(_INTERRUPT) or (None, None)
+        return f"normswap: {how} after the command finished; what it printed and wrote is complete"
+    stages, output, absolute = meta.get(_INTERRUPT) or (None, None, None)
     stage = stages.current if stages is not None else None
     where = f" during {stage}" if stage else ""
     if output is None:
-        return f"normswap: interrupted{where}; nothing was written"
-    if stage in ("save", "verify"):
-        return (
-            f"normswap: interrupted while {'saving' if stage == 'save' else 'verifying'}; {output} is as it "
-            "was before, or holds the complete new checkpoint if its verification had passed (it is written "
-            "and verified beside the output and replaces it in one step), never a partial one"
-        )
-    return f"normswap: interrupted{where}; nothing was written ({output} is as it was before)"
+        return f"normswap: {how}{where}; nothing was written"
+    staging = sys.modules.get("normswap.io.staging")  # not imported: nothing was saved
+    saved = staging.replaced(absolute) if staging is not None and absolute is not None else None
+    if saved is not None:  # the exchange happened: the output is the new checkpoint
+        checked = (saved.get("check") or {}).get("passed", True)
+        verified = (saved.get("verify") or {}).get("passed") and checked
+        state = "the new, verified checkpoint" if verified else "the new checkpoint, saved anyway (--force)"
+        return f"normswap: {how} after the save; {output} holds {state}"
+    if stage == "verify":
+        why = "was not verified"
+    elif stage == "save":
+        why = "was not complete"
+    elif staging is not None and absolute is not None and staging.staged(absolute):
+        why = "had not replaced it"
+    else:
+        return f"normswap: {how}{where}; nothing was written ({output} is as it was before)"
+    doing = {"save": " while saving", "verify": " while verifying"}.get(stage, where or " while saving")
+    return f"normswap: {how}{doing}; {output} is as it was before (the new checkpoint {why} and is removed)"
 
 
 def _quiet_transformers() -> None:
@@ -228,7 +300,7 @@ def main() -> None:
     $XDG_CACHE_HOME/normswap, usually ~/.cache/normswap).
 
     Exit codes: 0 success, 1 the logits check (or the verification of the saved copy) failed, 2 bad input,
-    130 interrupted.
+    130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
     """
     progress.show(sys.stderr.isatty())  # progress lines for a person at a terminal; scripts get none
     if os.environ.get("NORMSWAP_BACKEND") is None:

@@ -1,8 +1,8 @@
 """Fault injection: broken inputs, NaN/inf weights, a full disk, signals and concurrent runs during a save.
 
-Each test asserts the exit code (0 success, 1 the check failed, 2 bad input, 130 interrupted), the one
-line a failure prints, and that the input and the file system are as promised: the input unchanged,
-nothing half-written, no hidden build folder or lock file left (field cases C18-C25 in
+Each test asserts the exit code (0 success, 1 the check failed, 2 bad input, 130 interrupted, 143
+terminated), the one line a failure prints, and that the input and the file system are as promised: the
+input unchanged, nothing half-written, no hidden build folder or lock file left (field cases C18-C25 in
 ../shared/cases/README.md). C26-C30: nothing of the user's is lost: --overwrite replaces only what normswap
 wrote, the previous output stays byte for byte until the new one is verified (a run killed at every stage
 of the save, in memory and streamed), every input tensor reaches the output, token ids are checked against
@@ -722,6 +722,63 @@ def test_killed_at_every_stage_leaves_one_complete_checkpoint(small, previous, t
         assert _same_new_output(out, reference) if new else digests(out) == before, stage
     result = run(*args)
     assert result.exit_code == 0 and _same_new_output(out, reference) and hidden(tmp_path) == []
+
+
+# SIGTERM (what `kill`, `timeout` and `docker stop` send) at stages of an --overwrite convert, in a forked run
+# (as _killed_run) that signals itself when the save reaches the stage: handled as Ctrl-C is, exit 143.
+def _terminated_run(args, stage: str, results) -> None:
+    from normswap.io import staging
+
+    torch.set_num_threads(1)
+
+    def terminate(name):
+        if name == stage:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    staging.at_stage = terminate
+    result = CliRunner().invoke(main, args)
+    results.put((result.exit_code, result.stdout, result.stderr))
+
+
+BEFORE = "normswap: terminated by SIGTERM {where}; {out} is as it was before (the new checkpoint {why} and "
+BEFORE += "is removed)"
+NOT_IN_PLACE, PARTIAL = ("while saving", "had not replaced it"), ("while saving", "was not complete")
+CONVERTING = ("during convert", "had not replaced it")  # streamed: the shards are written as they convert
+TERM_LINES = {
+    (): {"staged": NOT_IN_PLACE, "weights": PARTIAL, "verified": NOT_IN_PLACE, "finished": NOT_IN_PLACE},
+    STREAMED: {"staged": CONVERTING, "shard": CONVERTING, "written": PARTIAL, "verified": NOT_IN_PLACE,
+               "finished": NOT_IN_PLACE},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
+def test_sigterm_at_a_stage_cleans_up_and_says_what_the_output_holds(small, previous, tmp_path, streamed):
+    """SIGTERM exited 143 with no line and left the hidden build folder (hundreds of MB for a real model)
+    and the lock file beside OUT. Now, at each stage of the save: exit 143, one line saying which checkpoint
+    OUT holds, OUT byte-identical to the previous checkpoint (before the exchange) or the verified new one
+    (after it), nothing hidden left beside it."""
+    reference = tmp_path / "reference"
+    assert run("convert", small, "--output", reference, *FEW, *streamed).exit_code == 0
+    out = tmp_path / "out"
+    args = ["convert", str(small), "--output", str(out), "--overwrite", *FEW, *streamed]
+    for stage, (where, why) in [*TERM_LINES[tuple(streamed)].items(), ("exchanged", (None, None))]:
+        shutil.rmtree(out, ignore_errors=True)
+        before = previous_output(previous, out, streamed)
+        results = FORK.Queue()
+        proc = FORK.Process(target=_terminated_run, args=(args, stage, results))
+        proc.start()
+        proc.join(300)
+        assert proc.exitcode == 0, (stage, proc.exitcode)  # not killed by the signal: it was handled
+        code, stdout, stderr = results.get(timeout=60)
+        assert code == 143 and stdout == "", (stage, code, stdout, stderr)
+        if why is None:
+            line = f"normswap: terminated by SIGTERM after the save; {out} holds the new, verified checkpoint"
+            assert _same_new_output(out, reference), stage
+        else:
+            line = BEFORE.format(where=where, out=out, why=why)
+            assert digests(out) == before, stage
+        assert stderr.splitlines() == [line], (stage, stderr)
+        assert hidden(tmp_path) == [], (stage, hidden(tmp_path))
 
 
 # -- C30: token ids outside the vocabulary ----------------------------------------------------------------

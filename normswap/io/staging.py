@@ -54,6 +54,34 @@ def at_stage(name: str) -> None:
     """Called as a save passes stage ``name`` (one of ``STAGES``); does nothing (a hook for the tests)."""
 
 
+# output (absolute) -> ((st_dev, st_ino) of the hidden folder of this process's latest save to it, the
+# manifest its commit wrote, or None before the commit): what ``replaced`` asks the file system about
+_latest: dict[str, tuple[tuple[int, int], dict | None]] = {}
+
+
+def replaced(out: str | os.PathLike) -> dict | None:
+    """The manifest (``normswap.json``, as a dict) of the checkpoint this process's latest save to ``out``
+    put there, when ``out`` now is that save's folder; ``None`` when it is not (the save has not replaced
+    ``out``, or none ran). An interrupt handler asks it which checkpoint ``out`` holds: the answer is read
+    from the file system (the folder moved to ``out`` keeps its inode), so it holds wherever the interrupt
+    lands, also between the exchange and the bookkeeping after it."""
+    key = os.path.abspath(os.path.expanduser(out))
+    latest = _latest.get(key)
+    if latest is None or latest[1] is None:
+        return None
+    try:
+        now = os.stat(key, follow_symlinks=False)
+    except OSError:
+        return None
+    return latest[1] if (now.st_dev, now.st_ino) == latest[0] else None
+
+
+def staged(out: str | os.PathLike) -> bool:
+    """Whether a save of this process to ``out`` made its hidden folder (and may have written into it): with
+    ``replaced(out)`` None, ``out`` is as it was and that folder is removed (or was) on the way out."""
+    return os.path.abspath(os.path.expanduser(out)) in _latest
+
+
 def _entry(path: Path) -> str:
     return path.name + ("/" if path.is_dir() and not path.is_symlink() else "")
 
@@ -251,11 +279,12 @@ class Staging:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Staging:
+        _latest.pop(os.path.abspath(self.out), None)
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise files.write_error(self.out.parent, error) from error
-        with self._stack:
+        try:  # whatever ends it here (an error, an interrupt) removes what was made and releases the lock
             self._stack.enter_context(files.output_lock(self.out))
             _recover(self.out)
             check_replaceable(self.out, self.overwrite)  # again: the directory may have changed meanwhile
@@ -264,8 +293,12 @@ class Staging:
                                                   dir=self.out.parent))  # fmt: skip
             except OSError as error:
                 raise files.write_error(self.out.parent, error) from error
-            self._stack = self._stack.pop_all()
-        at_stage("staged")
+            made = os.stat(self.path)
+            _latest[os.path.abspath(self.out)] = ((made.st_dev, made.st_ino), None)
+            at_stage("staged")
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
         return self
 
     @contextlib.contextmanager
@@ -291,6 +324,7 @@ class Staging:
             files.apply_umask(self.path)
             data["output"] = {"written_by": WRITER, "files": file_sizes(self.path)}
             files.write_json(self.path / MANIFEST, data)
+            _latest[os.path.abspath(self.out)] = (_latest[os.path.abspath(self.out)][0], data)
             at_stage("finished")
             check_replaceable(self.out, self.overwrite)
             _replace_dir(self.path, self.out)
