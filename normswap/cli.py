@@ -30,6 +30,7 @@ _API_TO_CLI = {
     "trust_remote_code=True": "--trust-remote-code",
     "keep_hidden_states=True": "--keep-hidden-states",
     "norm='rmsnorm'": "--norm rmsnorm",
+    "rotate=...": "--rotate",
 }
 
 
@@ -461,9 +462,10 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     embeds = original_embeds(loaded.model, input_ids) if norm == "rmsnorm" and rotate is None else None
     stages.start("convert", "folding and swapping the norms" + (f", rotating ({rotate})" if rotate else ""))
     traced_with = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
-    result = convert_model(loaded.model, norm=norm, untie=not no_untie, traced=traced, rotate=rotate,
-                           rotate_seed=rotate_seed, rotate_heads=rotate_heads,
-                           keep_hidden_states=keep_hidden_states, **traced_with)  # fmt: skip
+    with _rotation_refused():
+        result = convert_model(loaded.model, norm=norm, untie=not no_untie, traced=traced, rotate=rotate,
+                               rotate_seed=rotate_seed, rotate_heads=rotate_heads,
+                               keep_hidden_states=keep_hidden_states, **traced_with)  # fmt: skip
     if result.rotation is not None:  # the original's stream records, as the rotated model computes them
         rotate_reference(reference, result.rotation)
     stages.start("check", "comparing the converted model's outputs with the original's")
@@ -551,11 +553,12 @@ def _convert_streamed(model, output, report, max_memory, no_stream, *, device, d
         f"{len(source.reader.files)} shard(s), on {target}"
     )
     input_ids, check_input = _check_ids(model, source.config, source.tokenizer, tokens)
-    report_dict, passed = stream.convert_streamed(
-        source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, stages=stages,
-        keep_hidden_states=keep_hidden_states, norm=norm, device=target, choice=choice, rotate=rotate,
-        rotate_seed=rotate_seed, rotate_heads=rotate_heads,
-    )  # fmt: skip
+    with _rotation_refused():
+        report_dict, passed = stream.convert_streamed(
+            source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, stages=stages,
+            keep_hidden_states=keep_hidden_states, norm=norm, device=target, choice=choice, rotate=rotate,
+            rotate_seed=rotate_seed, rotate_heads=rotate_heads,
+        )  # fmt: skip
     report_dict["check_input"] = check_input
     _note_check_text(report_dict, tokenizer)
     report_dict["check_input"] = check_input
@@ -577,6 +580,22 @@ def _convert_streamed(model, output, report, max_memory, no_stream, *, device, d
         )
         raise SystemExit(1)
     return True
+
+
+@contextlib.contextmanager
+def _rotation_refused():
+    """A refused rotation of the residual stream (``RotationError``; not the heads' alone) names the fix."""
+    from normswap.rotate import RotationError
+    from normswap.rotate.heads import HeadRotationError
+
+    try:
+        yield
+    except HeadRotationError:
+        raise
+    except RotationError as error:
+        raise NormswapError(
+            f"{error}; convert without --rotate: the norms are still folded (where exact) and swapped"
+        ) from error
 
 
 def _note_check_text(report_dict: dict, tokenizer: str | None) -> None:

@@ -20,11 +20,11 @@ from normswap.walk import ExampleInputs, Walk, walk
 NORM_CHOICES = ("keep", "rmsnorm")
 KEEP_VS_CENTER = (
     "norm='rmsnorm' centers the residual stream, which moves every hidden state by its mean: it cannot keep "
-    "the hidden states (keep_hidden_states=True)"
+    "the hidden states (keep_hidden_states=True); drop one of the two"
 )
 KEEP_VS_ROTATE = (
     "rotate=... rotates the residual stream, which turns every hidden state h into h Q: it cannot keep the "
-    "hidden states (keep_hidden_states=True)"
+    "hidden states (keep_hidden_states=True); drop one of the two"
 )
 log = logging.getLogger("normswap")
 

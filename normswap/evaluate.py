@@ -328,7 +328,10 @@ def eval_command(
     conv, _ = load_for_eval(converted, tokenizer=False, **kw)
     for name, model in (("--model", original), ("--converted", conv)):
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
-            raise NormswapError(f"{name} is not a causal LM (no output embeddings to compute logits)")
+            raise NormswapError(
+                f"{name} is not a causal LM (no output embeddings to compute logits): eval scores causal LMs "
+                f"only; `normswap check {model_source} {converted}` compares any model's outputs"
+            )
     check_same_model(model_source, original.config, converted, conv.config)
     both = {model_source: original.config, converted: conv.config}
     if tasks is not None and tokenizer is not None:  # lm-eval tokenizes as it goes: check all its ids

@@ -500,6 +500,98 @@ def test_greedy_on_an_encoder_is_refused(tmp_path):
     one_error_line(result, "--greedy compares generated tokens", "encoder without an LM head")
 
 
+# ------------------------------------------------------------------ refusals name the fix
+@pytest.fixture
+def encoder(tmp_path) -> Path:
+    """A tiny post-LN BERT directory (no LM head; float32 safetensors)."""
+    make_tiny_model("bert").save_pretrained(tmp_path / "bert")
+    return tmp_path / "bert"
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_max_memory_on_an_encoder_says_to_drop_it_with_the_weights_size(encoder, tmp_path):
+    """The line named no fix; now it says to convert in memory, with the weights' size in the asked dtype
+    (from the safetensors file: every tensor of the tiny BERT is float32)."""
+    from safetensors.torch import load_file
+
+    stored = sum(t.numel() * t.element_size() for t in load_file(encoder / "model.safetensors").values())
+    before = _listing(tmp_path)
+    for dtype, size in (("float32", stored), ("bfloat16", stored // 2)):
+        result = run("convert", encoder, "-o", tmp_path / "out", "--max-memory", "100MB", "--dtype", dtype)
+        line = one_error_line(result)
+        assert line == (
+            f"normswap: error: {encoder}: --max-memory streams causal LMs only; drop --max-memory to convert "
+            f"it in memory (its weights: {progress.size(size)})"
+        )
+    assert _listing(tmp_path) == before
+    assert run("convert", encoder, "-o", tmp_path / "out", "--tokens", "16").exit_code == 0  # as it says
+
+
+def test_post_ln_refusals_say_what_still_converts(encoder, tmp_path):
+    """--norm rmsnorm and --rotate on a post-LN model: the line says to drop the option, and the plain
+    conversion it points to runs."""
+    before = _listing(tmp_path)
+    line = one_error_line(run("convert", encoder, "-o", tmp_path / "out", "--norm", "rmsnorm"))
+    assert "(a post-LN model); only pre-LN models convert" in line
+    assert line.endswith(
+        "; drop --norm rmsnorm: without it the norms are still folded (where exact) and swapped"
+    )
+    line = one_error_line(run("convert", encoder, "-o", tmp_path / "out", "--rotate", "random"))
+    assert line.startswith("normswap: error: cannot rotate the residual stream: norm embeddings.LayerNorm ")
+    assert line.endswith("; convert without --rotate: the norms are still folded (where exact) and swapped")
+    assert _listing(tmp_path) == before
+    assert run("convert", encoder, "-o", tmp_path / "out", "--tokens", "16").exit_code == 0
+
+
+def test_eval_of_an_encoder_points_at_check(encoder, tmp_path):
+    line = one_error_line(run("eval", "--model", encoder, "--converted", encoder))
+    assert line == (
+        f"normswap: error: --model is not a causal LM (no output embeddings to compute logits): eval scores "
+        f"causal LMs only; `normswap check {encoder} {encoder}` compares any model's outputs"
+    )
+
+
+def test_option_and_path_refusals_name_the_fix(tiny_gguf, tmp_path, monkeypatch):
+    """A file at -o, a missing MODEL path, --rotate with --keep-hidden-states (which said the Python API's
+    rotate=...), an output in a folder where none can be made (which named /proc, not the output)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("mine\n")
+    before = _listing(tmp_path)
+    line = one_error_line(run("convert", tiny_gguf, "-o", "afile"))
+    assert line == (
+        f"normswap: error: output path {tmp_path / 'afile'} exists and is not a directory; the converted "
+        "checkpoint is a directory: choose another output path"
+    )
+    line = one_error_line(run("convert", "./no/such/path", "-o", "out"))
+    assert line == (
+        "normswap: error: ./no/such/path: no such file or directory; give a model directory, a .gguf file, a "
+        "hub id (org/name) or a short name (smollm2-135m, gemma3-270m, minilm-l6)"
+    )
+    line = one_error_line(
+        run("convert", tiny_gguf, "-o", "out", "--rotate", "hadamard", "--keep-hidden-states")
+    )
+    assert line == (
+        "normswap: error: --rotate rotates the residual stream, which turns every hidden state h into h Q: "
+        "it cannot keep the hidden states (--keep-hidden-states); drop one of the two"
+    )
+    line = one_error_line(run("convert", tiny_gguf, "-o", "afile/x"))
+    afile = tmp_path / "afile"
+    assert (
+        line
+        == f"normswap: error: cannot create {afile / 'x'}: {afile} is not a directory; choose another path"
+    )
+    if Path("/proc/self").is_dir():
+        line = one_error_line(run("convert", tiny_gguf, "-o", "/proc/x"))
+        assert line == (
+            "normswap: error: cannot create /proc/x: no folder can be made in /proc (No such file or "
+            "directory); choose another path"
+        )
+    assert _listing(tmp_path) == before and (tmp_path / "afile").read_text() == "mine\n"
+
+
 # ------------------------------------------------------------------ the docs say what the CLI does
 def _read(name: str) -> str:
     return (REPO / name).read_text()

@@ -145,7 +145,10 @@ def resolve(source: str | Path, *, download: bool = True) -> Resolved:
             return Resolved(source, "gguf", str(local.parent), local.name, short_name=source)
         return Resolved(source, "dir", str(local), short_name=source)
     if _looks_like_path(source):
-        raise NormswapError(f"{source}: no such file or directory")
+        raise NormswapError(
+            f"{source}: no such file or directory; give a model directory, a .gguf file, a hub id (org/name) "
+            f"or a short name ({', '.join(shortnames.SHORT_MODELS)})"
+        )
     mistyped = misspelled(source)
     if mistyped:  # a mistyped short name: answer now, not after the hub's retries
         raise NormswapError(mistyped)

@@ -46,23 +46,28 @@ def _inputs(source) -> list[Path]:
     return [p for s in sources for p in _protected_paths(s)]
 
 
-def _check_creatable(folder: Path) -> None:
-    """``folder`` is a writable directory or can be created as one (nothing is left behind).
+def _check_creatable(folder: Path, target: Path | None = None) -> None:
+    """``folder`` is a writable directory or can be created as one (nothing is left behind); ``target`` is
+    what the caller will create in it (the output directory), the path a refusal names (default ``folder``).
 
     Permission bits say nothing for root or for special filesystems (``/proc``), so the nearest existing
     ancestor is tried for real: a hidden directory is made in it and removed at once.
     """
+    target = folder if target is None else target
     existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise NormswapError(f"cannot create {folder}: {existing} is not a directory")
+        raise NormswapError(f"cannot create {target}: {existing} is not a directory; choose another path")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise NormswapError(f"cannot write to {existing}: not writable (permission denied or read-only)")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".normswap-probe-", dir=existing))
     except OSError as error:
-        raise NormswapError(f"cannot create {folder}: {error.strerror or error}") from error
+        raise NormswapError(
+            f"cannot create {target}: no folder can be made in {existing} ({error.strerror or error}); "
+            "choose another path"
+        ) from error
 
 
 def check_output_dir(
@@ -100,7 +105,7 @@ def check_output_dir(
             )
     if not (write_into and out.is_dir()):
         staging.check_replaceable(out, overwrite)
-    _check_creatable(out.parent)
+    _check_creatable(out.parent, out)
     return out
 
 

@@ -145,7 +145,10 @@ def check_replaceable(out: Path, overwrite: bool) -> None:
     if not out.exists():
         return
     if not out.is_dir():
-        raise NormswapError(f"output path {out} exists and is not a directory")
+        raise NormswapError(
+            f"output path {out} exists and is not a directory; the converted checkpoint is a directory: "
+            "choose another output path"
+        )
     if not overwrite:
         raise NormswapError(f"output directory {out} already exists; pass overwrite=True to replace it")
     reason = not_replaceable(out)

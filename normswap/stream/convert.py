@@ -157,11 +157,15 @@ def open_source(
             "not a GGUF file"
         )
     config = load_config(resolved, trust_remote_code=trust_remote_code)
-    if not is_causal_lm(config):
-        raise NormswapError(f"{model}: --max-memory streams causal LMs only")
     reader = CheckpointReader(resolved.path)
-    loaded_tokenizer = load_tokenizer(resolved, tokenizer, trust_remote_code=trust_remote_code)
     torch_type = resolve_dtype(dtype, resolved, config)
+    if not is_causal_lm(config):
+        size = progress.size(Source(reader, config, None, None, torch_type).nbytes)
+        raise NormswapError(
+            f"{model}: --max-memory streams causal LMs only; drop --max-memory to convert it in memory (its "
+            f"weights: {size})"
+        )
+    loaded_tokenizer = load_tokenizer(resolved, tokenizer, trust_remote_code=trust_remote_code)
     architecture = _causal_lm_name(model, config)
     info = ModelInfo(
         source=resolved.source, kind=kind, path=resolved.path, gguf_file=None, short_name=None,
