@@ -704,13 +704,15 @@ def _size(nbytes: int) -> str:
     return progress.size(nbytes)
 
 
-def _contract_lines(contract: list[dict], report: dict) -> list[str]:
-    """``contract:`` lines: per returned output (runs grouped), same or changed by design and why."""
+def _contract_lines(check: dict, report: dict) -> list[str]:
+    """``contract:`` lines of ``check`` (the report's): per returned output (runs grouped), same or changed
+    by design and why."""
     from normswap.check.contract import BY_DESIGN, lines
 
+    contract = check.get("contract") or []
     if not contract:
         return []
-    out = [("contract: " if i == 0 else " " * 10) + line for i, line in enumerate(lines(contract))]
+    out = [("contract: " if i == 0 else " " * 10) + line for i, line in enumerate(lines(contract, check))]
     folded = any(e["status"] == BY_DESIGN and not e.get("relation") for e in contract)
     if folded and not report.get("keep_hidden_states"):
         out.append(" " * 10 + "(--keep-hidden-states keeps every hidden state the original's)")
@@ -763,7 +765,7 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
             lines.append(f"          - {failure}")
         if check.get("divergence"):
             lines.append(f"          first divergence: {check['divergence'].get('description')}")
-        lines += _contract_lines(check.get("contract") or [], report)
+        lines += _contract_lines(check, report)
     carried = report.get("carried") or {}
     if carried.get("tensors"):
         names = carried["tensors"]

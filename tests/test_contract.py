@@ -545,6 +545,83 @@ def test_contract_lines_group_runs_of_outputs():
     assert text[1].endswith("same (max diff 2e-07, relative 3e-08)") and text[2].endswith(why)
 
 
+def test_contract_lines_in_half_precision_say_what_holds():
+    """In bfloat16 "same" read "same (max diff 1)": the lines now say "same within bfloat16 rounding" and the
+    numbers the rule compares, with 3 significant digits (1.03, not 1); float32 lines are as they were."""
+    from normswap.check.contract import lines
+
+    contract = [
+        {"output": "logits", "status": "same", "max_abs_diff": 1.03125, "rel_error": None, "threshold": None},
+        {"output": "hidden_states[0]", "status": "same", "max_abs_diff": 0.0, "rel_error": 0.0,
+         "threshold": 0.01},
+        {"output": "hidden_states[1]", "status": "same", "max_abs_diff": 229.4, "rel_error": 0.02534,
+         "threshold": 0.01 + 2 * 0.01304},
+    ]  # fmt: skip
+    check = {
+        "dtype": "bfloat16",
+        "tolerance": {"k": 2.0, "localize_rtol": 0.01},
+        "half_precision": {"original": {"max_abs": 0.9375}, "converted": {"max_abs": 1.0883}},
+    }
+    assert lines(contract, check) == [
+        "logits               same within bfloat16 rounding (max diff 1.03; vs float32 1.09, the "
+        "original's own 0.938)",
+        "hidden_states[0..1]  same within bfloat16 rounding (vs float32: max diff 229, relative 0.0253 <= "
+        "0.01 + 2 x the original's own 0.013)",
+    ]
+    assert (
+        lines(contract, {"dtype": "float32"})
+        == lines(contract)
+        == [
+            "logits               same (max diff 1)",
+            "hidden_states[0..1]  same (max diff 2.3e+02, relative 0.025)",
+        ]
+    )
+
+
+def test_contract_lines_of_a_bfloat16_conversion(tiny_model, input_ids):
+    """A bfloat16 Llama converted and checked: the numbers on its lines are those of an independent run of
+    the original, the converted model and the original upcast to float32, and the relative error of each
+    hidden state is within the bound the line states."""
+    from normswap.check import compare, reference_outputs
+    from normswap.check.contract import lines
+
+    model = tiny_model("llama", tie_word_embeddings=False).bfloat16()
+    original, upcast = copy.deepcopy(model), copy.deepcopy(model).float()
+    reference = reference_outputs(model, input_ids, sites=normswap.inspect(model, input_ids))
+    report = normswap.convert(model)
+    result = compare(reference, model, input_ids, sites=report.sites)
+    assert result.passed, result.summary()
+    with torch.no_grad():
+        orig, conv, f32 = (
+            m(input_ids=input_ids, output_hidden_states=True) for m in (original, model, upcast)
+        )
+    diff = (conv.logits.double() - orig.logits.double()).abs().max().item()
+    conv32 = (conv.logits.double() - f32.logits.double()).abs().max().item()
+    own32 = (orig.logits.double() - f32.logits.double()).abs().max().item()
+    text = [line.split(None, 1) for line in lines(result.contract, result.to_dict())]  # [label, verdict]
+    assert text[0] == [
+        "logits",
+        f"same within bfloat16 rounding (max diff {diff:.3g}; vs float32 {conv32:.3g}, the original's own "
+        f"{own32:.3g})",
+    ]
+
+    def rel(a, b):  # of a from the float32 run b, as the contract measures it (float64)
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    hidden = range(len(orig.hidden_states) - 1)  # the last one is the final norm's output, folded by design
+    worst = max(rel(conv.hidden_states[i], f32.hidden_states[i]) for i in hidden)
+    own = max(rel(orig.hidden_states[i], f32.hidden_states[i]) for i in hidden)
+    biggest = max(
+        (conv.hidden_states[i].double() - f32.hidden_states[i].double()).abs().max().item() for i in hidden
+    )
+    assert text[1] == [
+        f"hidden_states[0..{hidden[-1]}]",
+        f"same within bfloat16 rounding (vs float32: max diff {biggest:.3g}, relative {worst:.3g} <= 0.01 + "
+        f"2 x the original's own {own:.3g})",
+    ]
+    assert worst <= 0.01 + 2 * own
+
+
 def test_c34_tied_norm_whose_partner_is_blocked_later_does_not_fold(input_ids):
     """Two norms holding one weight, where the fold plan blocks one of them for another reason (its fold would
     overflow float16): the other must not fold either, or its reset would change the blocked one."""

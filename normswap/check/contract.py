@@ -311,9 +311,23 @@ def judge(
     return entries, failures
 
 
-def lines(contract: list[dict]) -> list[str]:
+def lines(contract: list[dict], check: dict | None = None) -> list[str]:
     """The contract for a reader: runs of consecutive outputs with the same verdict share one line
-    (``hidden_states[0..29]  same (max diff 0.0039, relative 1.9e-06)``: the largest of each)."""
+    (``hidden_states[0..29]  same (max diff 0.0039, relative 1.9e-06)``: the largest of each).
+
+    ``check``: the ``CheckResult.to_dict()`` the contract belongs to. For a half-precision one (bfloat16,
+    float16), "same" is "same within that precision's rounding", and the line says what holds: the main
+    output's largest difference from the original, then the converted and the original model's own largest
+    difference from the float32-upcast original (the check's rule compares those two); another output's
+    largest and relative difference from the float32-upcast original (what it is judged on, as
+    ``judge`` records it) and the bound it is within, ``localize_rtol + k x`` the original's own relative
+    error there (the largest of the run, from each output's ``threshold``). Numbers get 3 significant
+    digits there (2 in float32).
+    """
+    check = check or {}
+    dtype = check.get("dtype")
+    half = dtype in ("bfloat16", "float16")
+    digits = ".3g" if half else ".2g"
     groups: list[tuple[list[str], dict]] = []
     for i, entry in enumerate(contract):
         key = (entry["status"], entry.get("reason"))
@@ -322,25 +336,46 @@ def lines(contract: list[dict]) -> list[str]:
             groups[-1][0].append(entry["output"])
             group["max_abs_diff"] = max(group["max_abs_diff"], entry["max_abs_diff"])
             group["rel_error"] = max(group["rel_error"], entry["rel_error"])
+            if group.get("threshold") is not None and entry.get("threshold") is not None:
+                group["threshold"] = max(group["threshold"], entry["threshold"])
         else:
             groups.append(([entry["output"]], dict(entry)))
     out = []
     for names, entry in groups:
         label = _span(names)
-        if entry["status"] == SAME:
-            rel = "" if entry.get("rel_error") is None else f", relative {entry['rel_error']:.2g}"
-            verdict = f"same (max diff {entry['max_abs_diff']:.2g}{rel})"
+        diff = format(entry["max_abs_diff"], digits)
+        if entry["status"] == SAME and half:
+            verdict = f"same within {dtype} rounding ({_half_detail(entry, check, diff)})"
+        elif entry["status"] == SAME:
+            rel = "" if entry.get("rel_error") is None else f", relative {entry['rel_error']:{digits}}"
+            verdict = f"same (max diff {diff}{rel})"
         elif entry["status"] == BY_DESIGN:
             verdict = f"changed by design: {entry['reason']}"
             if entry.get("file"):
                 verdict += f" ({entry['file']})"
         else:
-            verdict = (
-                f"CHANGED (max diff {entry['max_abs_diff']:.2g}): {entry.get('reason') or 'not explained'}"
-            )
+            verdict = f"CHANGED (max diff {diff}): {entry.get('reason') or 'not explained'}"
         out.append(f"{label}  {verdict}")
     width = max((len(line.split("  ", 1)[0]) for line in out), default=0)
     return [f"{a.ljust(width)}  {b}" for a, b in (line.split("  ", 1) for line in out)]
+
+
+def _half_detail(entry: dict, check: dict, diff: str) -> str:
+    """The numbers of a half-precision "same" (see ``lines``), 3 significant digits."""
+    if entry.get("rel_error") is None:  # the main output, judged by the check's float32-reference rule
+        errors = check.get("half_precision") or {}
+        conv = (errors.get("converted") or {}).get("max_abs")
+        own = (errors.get("original") or {}).get("max_abs")
+        if conv is None or own is None:
+            return f"max diff {diff}"
+        return f"max diff {diff}; vs float32 {conv:.3g}, the original's own {own:.3g}"
+    detail = f"vs float32: max diff {diff}, relative {entry['rel_error']:.3g}"
+    tolerance = check.get("tolerance") or {}
+    k, rtol, threshold = tolerance.get("k"), tolerance.get("localize_rtol"), entry.get("threshold")
+    if k and rtol is not None and threshold is not None:
+        own = max(threshold - rtol, 0.0) / k
+        detail += f" <= {rtol:.3g} + {k:.3g} x the original's own {own:.3g}"
+    return detail
 
 
 def _span(names: list[str]) -> str:

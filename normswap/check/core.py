@@ -178,7 +178,7 @@ class CheckResult:
             lines.append(f"  perplexity {self.ppl_original:.4f} -> {self.ppl_converted:.4f}")
         if self.greedy_tokens:
             lines.append(f"  greedy agreement {self.greedy_agreement:.2%} of {self.greedy_tokens} tokens")
-        lines += [f"  {line}" for line in contract.lines(self.contract)]
+        lines += [f"  {line}" for line in contract.lines(self.contract, self.to_dict())]
         lines += [f"  failed: {f}" for f in self.failures]
         if self.divergence:
             lines.append(f"  first divergence: {self.divergence['description']}")
