@@ -424,13 +424,13 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         report_file = io.check_output_file(report, [model], output)
     options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
                    overwrite=overwrite, no_untie=no_untie, keep_hidden_states=keep_hidden_states)  # fmt: skip
+    stages.start("load", f"{model} ({dtype})")  # one stage: in memory or streamed, then the load itself
     if _convert_streamed(
         model, output, report, max_memory, no_stream, device=device, device_map=device_map,
         tokenizer=tokenizer_name, report_file=report_file, stages=stages, rotate=rotate,
         rotate_seed=rotate_seed, rotate_heads=rotate_heads, **options,
     ):  # fmt: skip
         return
-    stages.start("load", f"{model} ({dtype})")
     loaded = io.load_model(
         model,
         dtype=dtype,
@@ -534,13 +534,11 @@ def _convert_streamed(model, output, report, max_memory, no_stream, *, device, d
         if max_memory is not None:
             raise NormswapError("--device-map is not available when streaming (--max-memory); give --device")
         return False
-    stages.start("load", f"{model} ({dtype}): shard headers, config, tokenizer; in memory or streamed?")
-    choice = memory.decide(
+    choice = memory.decide(  # within the load stage: shard headers, config, tokenizer
         model, dtype, max_memory=max_memory, no_stream=no_stream, untie=not no_untie, norm=norm,
         tokens=tokens, device=str(target), trust_remote_code=trust_remote_code, tokenizer=tokenizer,
         rotate=rotate is not None,
     )  # fmt: skip
-    stages.stop()
     if not choice.stream:
         return False
     source = choice.source

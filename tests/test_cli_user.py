@@ -135,7 +135,9 @@ def test_streamed_convert_says_it_streams_and_times_its_stages(tiny_dir, tmp_pat
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
 def test_terminal_detection_in_a_real_process(tiny_gguf, tmp_path):
     """The real decision: stderr on a pseudo-terminal shows the lines (off a terminal none show:
-    test_convert_reports_timings_and_is_silent_off_a_terminal)."""
+    test_convert_reports_timings_and_is_silent_off_a_terminal): each stage starts once and ends once, in
+    order, and nothing else is left between them (the load stage was started twice, and the GGUF loader's
+    progress bar, drawn at the width this terminal does not report, left an empty line)."""
     primary, secondary = os.openpty()
     args = [sys.executable, "-m", "normswap", "convert", str(tiny_gguf), "-o", str(tmp_path / "out"),
             "--tokens", "16"]  # fmt: skip
@@ -159,7 +161,14 @@ def test_terminal_detection_in_a_real_process(tiny_gguf, tmp_path):
     os.close(primary)
     seen = b"".join(chunks)
     assert proc.returncode == 0, seen
-    assert b"normswap: load: " in seen and b"normswap: verify: " in seen
+    lines = [line.strip("\r") for line in seen.decode().split("\n")]
+    assert lines[-1] == "", lines
+    expected = []
+    for stage in STAGES:
+        expected += [rf"normswap: {stage}: .* \.\.\.", rf"normswap: {stage}: (.*, )?[\d.]+ s"]
+    assert len(lines[:-1]) == len(expected), lines
+    for line, pattern in zip(lines[:-1], expected, strict=True):
+        assert re.fullmatch(pattern, line), (line, pattern)
 
 
 def test_fetch_says_what_and_how_big(monkeypatch, tmp_path, capsys):

@@ -424,7 +424,9 @@ def _gguf_loading():
       each caller gets its own deep copy of the result;
     * ``gguf.get_tensor_name_map`` is memoized (a pure function of architecture and layer count);
     * the loader's per-tensor progress bar (plain ``tqdm``, out of reach of transformers'
-      ``disable_progress_bar``) shows only when stderr is a terminal.
+      ``disable_progress_bar``) shows only when stderr is a terminal, and is cleared when done (no line
+      of its own is left between normswap's stage lines, nor an empty one where the terminal reports no
+      width).
 
     All four return exactly what the unpatched code returns.
     """
@@ -464,7 +466,7 @@ def _gguf_loading():
             (gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
         )
     if hasattr(gguf_utils, "tqdm"):  # disable=None: off unless stderr is a terminal
-        patches.append((gguf_utils, "tqdm", functools.partial(gguf_utils.tqdm, disable=None)))
+        patches.append((gguf_utils, "tqdm", functools.partial(gguf_utils.tqdm, disable=None, leave=False)))
     with contextlib.ExitStack() as stack:
         for owner, name, value in patches:
             stack.enter_context(mock.patch.object(owner, name, value))
