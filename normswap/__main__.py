@@ -15,21 +15,23 @@ def _terminated(signum, frame):
 def run() -> None:
     """Run the CLI. Ctrl-C (SIGTERM) exits 130 (143) with one line also while the CLI is still being
     imported (``normswap.cli.main`` answers them at every later moment); nothing is written by then."""
+    installed = False
     try:
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # SIGTERM ignored by the caller stays so
             signal.signal(signal.SIGTERM, _terminated)
+            installed = True
     except ValueError:  # not the main thread
         pass
     try:
         from normswap.cli import main
+
+        if installed:  # the CLI installs its own handler while it runs; the default one around it
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except KeyboardInterrupt:
         _last_line("interrupted", 130, newline=True)
     except _Terminated:
         _last_line("terminated by SIGTERM", 143)
-    try:
-        main()
-    except _Terminated:  # between the import and the CLI's own handler
-        _last_line("terminated by SIGTERM", 143)
+    main()
 
 
 def _last_line(how: str, code: int, newline: bool = False) -> None:

@@ -328,19 +328,28 @@ def test_ctrl_c_in_the_handler_still_exits_130(tiny_gguf, tmp_path, monkeypatch)
     assert run("convert", tiny_gguf, "-o", tmp_path / "out").exit_code == 130
 
 
-def test_ctrl_c_while_the_cli_imports(monkeypatch, capsys):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_while_the_cli_imports(sig, monkeypatch, capsys):
+    """The signal arrives while ``normswap.__main__`` imports the CLI: one line (no empty one before it off a
+    terminal), exit 130 (143)."""
     from normswap import __main__ as entry
 
     class Interrupting:
         def find_spec(self, name, path=None, target=None):
             if name == "normswap.cli":
-                raise KeyboardInterrupt
+                signal.raise_signal(sig)  # through the handler in place: Python's own, or run()'s
 
     monkeypatch.delitem(sys.modules, "normswap.cli")
     monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
-    with pytest.raises(SystemExit) as exit_info:
-        entry.run()
-    assert exit_info.value.code == 130 and "interrupted" in capsys.readouterr().err
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            entry.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    how = "interrupted" if sig == signal.SIGINT else "terminated by SIGTERM"
+    assert exit_info.value.code == 128 + sig
+    assert capsys.readouterr().err.splitlines() == [f"normswap: {how}; nothing was written"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
