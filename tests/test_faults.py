@@ -897,6 +897,31 @@ def test_c28_tensors_the_loader_skips_reach_the_output(tmp_path, streamed):
     assert tree(src) == before
 
 
+@pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
+def test_c28_one_file_input_gives_one_file_output(tmp_path, streamed):
+    """The output keeps the input's layout also with carried tensors: a one-file checkpoint holding MTP
+    tensors stays one file (in memory they were written to a second shard with an index), every tensor
+    bit for bit."""
+    src = tmp_path / "src"
+    dense = {"first_k_dense_replace": 2} if streamed else {}  # streaming refuses stacked experts
+    model = make_tiny_model("deepseek_v3", tie_word_embeddings=False, vocab_size=SMALL_VOCAB, **dense)
+    model.save_pretrained(src)
+    byte_tokenizer(src)
+    mtp = _mtp_tensors(model.config)
+    save_file(
+        load_file(src / "model.safetensors") | mtp, src / "model.safetensors", metadata={"format": "pt"}
+    )
+    out = tmp_path / "out"
+    result = run("convert", src, "--output", out, *FEW, *streamed)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (out / "model.safetensors.index.json").exists()
+    saved = tensors_of(out)
+    assert set(tensors_of(src)) <= set(saved)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in mtp.items())
+    assert strict_json(out / "normswap.json")["verify"]["passed"]
+
+
 @pytest.mark.parametrize(
     "option", [("--norm", "rmsnorm"), ("--rotate", "hadamard")], ids=["center", "rotate"]
 )
