@@ -688,7 +688,8 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
         names = carried["tensors"]
         kept = carried.get("norms_kept_unfolded") or []
         lines.append(
-            f"carried:  {len(names)} tensors the model class does not run, copied unchanged ({names[0]}"
+            f"carried:  {len(names)} tensor{'s' if len(names) > 1 else ''} the model class does not run, "
+            f"copied unchanged ({names[0]}"
             + (", ...)" if len(names) > 1 else ")")
             + (f"; {', '.join(kept)} kept unfolded: they may read its output" if kept else "")
         )
