@@ -357,8 +357,8 @@ def main() -> None:
     "tokenizer_name",
     metavar="NAME_OR_DIR",
     default=None,
-    help="Tokenizer for the check's text (hub id or directory) [default: MODEL's own; without one, the "
-    "check runs on ids drawn from the vocabulary with a fixed seed].",
+    help="Tokenizer for the check's text only (hub id or directory); the output keeps MODEL's own "
+    "[default: MODEL's own; without one, the check runs on ids drawn from the vocabulary with a fixed seed].",
 )
 @click.option(
     "--rotate",
@@ -435,16 +435,21 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         model,
         dtype=dtype,
         trust_remote_code=trust_remote_code,
-        tokenizer=tokenizer_name or True,
+        tokenizer=True,  # the model's own, saved with the output; --tokenizer only tokenizes the check's text
         device=device,
         device_map=device_map,
     )
+    check_tokenizer = loaded.tokenizer
+    if tokenizer_name is not None:
+        check_tokenizer = io.load_tokenizer(
+            io.resolve(model), tokenizer_name, trust_remote_code=trust_remote_code
+        )
     stages.stop(f"{loaded.info.architecture} from {loaded.info.path}")
     inputs = carry.gather(loaded.info, loaded.model)  # tensors the class does not run, other files, shards
     if norm != "keep" or rotate is not None:
         option = f"--norm {norm}" if rotate is None else f"--rotate {rotate}"
         carry.refuse_changed_stream(model, loaded.model, inputs.skipped, option)
-    input_ids, check_input = _check_ids(model, loaded.model.config, loaded.tokenizer, tokens, loaded.model)
+    input_ids, check_input = _check_ids(model, loaded.model.config, check_tokenizer, tokens, loaded.model)
     stages.start("walk", "finding the norms and their consumers")
     # the dataflow does not depend on the length
     traced = walk(loaded.model, short_inputs(input_ids), keep_hidden_states=keep_hidden_states)
@@ -500,6 +505,10 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
                     io.write_json(report_file, report_dict)
             raise
         saved = verified.passed or force
+        if inputs:  # what was copied is known only after the save
+            report_dict["carried"] = inputs.to_dict()
+        else:
+            report_dict.pop("carried", None)
     stages.stop()
     report_dict["timings"] = dict(stages.timings)
     report_dict["saved"] = saved
@@ -550,16 +559,15 @@ def _convert_streamed(model, output, report, max_memory, no_stream, *, device, d
         f"streaming: budget {budget}, {_size(source.nbytes)} of weights in "
         f"{len(source.reader.files)} shard(s), on {target}"
     )
-    input_ids, check_input = _check_ids(model, source.config, source.tokenizer, tokens)
+    input_ids, check_input = _check_ids(model, source.config, source.check_tokenizer, tokens)
     with _rotation_refused():
         report_dict, passed = stream.convert_streamed(
             source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, stages=stages,
             keep_hidden_states=keep_hidden_states, norm=norm, device=target, choice=choice, rotate=rotate,
-            rotate_seed=rotate_seed, rotate_heads=rotate_heads,
+            rotate_seed=rotate_seed, rotate_heads=rotate_heads, check_input=check_input,
         )  # fmt: skip
     report_dict["check_input"] = check_input
     _note_check_text(report_dict, tokenizer)
-    report_dict["check_input"] = check_input
     if not dist.is_main():
         if not passed:
             raise SystemExit(1)
@@ -661,7 +669,9 @@ def inspect(model, dtype, trust_remote_code, device, device_map, json_path, no_u
     if not sites:
         raise NormswapError(f"{model}: {no_norms_message(traced)}")
     if json_path is not None:
-        io.write_json(json_path, [site.to_dict() for site in sites])
+        io.write_json(
+            json_path, io.files.stamped({"model": model, "sites": [site.to_dict() for site in sites]})
+        )
     click.echo(_site_table(sites))
 
 
@@ -769,7 +779,8 @@ def _summary(report: dict, output: Path | None, report_path: Path | None) -> str
         names = carried["tensors"]
         kept = carried.get("norms_kept_unfolded") or []
         lines.append(
-            f"carried:  {len(names)} tensors the model class does not run, copied unchanged ({names[0]}"
+            f"carried:  {len(names)} tensor{'s' if len(names) > 1 else ''} the model class does not run, "
+            f"copied unchanged ({names[0]}"
             + (", ...)" if len(names) > 1 else ")")
             + (f"; {', '.join(kept)} kept unfolded: they may read its output" if kept else "")
         )

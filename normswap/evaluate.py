@@ -306,6 +306,7 @@ def eval_command(
     """
     from normswap.check.inputs import check_positions, check_same_model, check_vocabulary, default_tokens
     from normswap.io import check_output_file, quiet_loading, write_json
+    from normswap.io.files import stamped
 
     quiet_loading()
     if report:
@@ -366,7 +367,7 @@ def eval_command(
             **result,
         }  # fmt: skip
         if report:
-            write_json(report, result)
+            write_json(report, stamped(result))
         windows = f"{result['windows']} window" + ("s" if result["windows"] != 1 else "")
         click.echo(
             f"eval: {result['tokens']} tokens in {windows}, "

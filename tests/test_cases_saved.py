@@ -187,7 +187,7 @@ def test_c15_tokenizer_option(llama_dir, tmp_path, tokenizer_dir):
     data = json.loads(report.read_text())
     assert data["check_input"]["source"] == "text" and data["verify"]["passed"]
     assert data["check_input"]["tokenizer"] == str(tokenizer_dir.resolve())
-    assert (out / "tokenizer.json").is_file()  # the tokenizer given is saved beside the model
+    assert not (out / "tokenizer.json").exists()  # it only tokenizes the check; the output is the model's
     _assert_untied_reload(llama_dir, out)
 
 

@@ -276,7 +276,7 @@ def test_overwrite_replaces_output(tiny_gguf, tmp_path):
 def test_inspect(tiny_gguf, tmp_path):
     result = run("inspect", tiny_gguf, "--json", tmp_path / "sites.json")
     assert result.exit_code == 0, result.stderr
-    sites = json.loads((tmp_path / "sites.json").read_text())
+    sites = json.loads((tmp_path / "sites.json").read_text())["sites"]
     names = [s["name"] for s in sites]
     assert names == [
         "model.layers.0.input_layernorm",

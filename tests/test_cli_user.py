@@ -374,11 +374,13 @@ def test_ctrl_c_signal_in_a_real_process(sig, tiny_gguf, tmp_path):
             assert "Traceback" not in err and "" not in err.splitlines(), err
             assert err.splitlines()[-1].startswith(f"normswap: {how}"), err
         if output.exists():  # the run got past the exchange (or ended before the signal came)
-            assert json.loads((output / "normswap.json").read_text())["verify"]["passed"], delay
+            manifest = json.loads((output / "normswap.json").read_text())
+            assert manifest["saved"] and manifest["verify"]["passed"], (delay, proc.returncode, err)
             assert proc.returncode != code or " after the " in err.splitlines()[-1], err
         assert not list(tmp_path.glob(f".o{i}*")), delay
 
 
+# ------------------------------------------------------------------ messages that name the cause and the fix
 def test_float16_overflow_is_named_not_called_broken(tiny_model):
     """A model that is finite in float32 but overflows float16 (Gemma 3 does): the line says so and names
     bfloat16; a model that is not finite in float32 either is still "broken"."""
@@ -448,77 +450,6 @@ def test_partly_converted_model_is_converted_further(tiny_gguf, tmp_path):
     assert "untied:   lm_head.weight" in result.stdout
 
 
-# ------------------------------------------------------------------ edges of the options
-def test_empty_output_is_refused(tiny_gguf, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    one_error_line(run("convert", tiny_gguf, "-o", ""), "--output is empty")
-    one_error_line(run("convert", tiny_gguf, "-o", tmp_path / "o", "--report", ""), "--report is empty")
-    one_error_line(run("inspect", tiny_gguf, "--json", " "), "--json is empty")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [tiny_gguf.name]
-
-
-@pytest.mark.parametrize("name", ["model.safetensors", "converted.bin", "out.gguf/"])
-def test_output_named_like_a_file_is_refused(name, tiny_gguf, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    one_error_line(run("convert", tiny_gguf, "-o", name), "names a file", "name a directory")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [tiny_gguf.name]
-
-
-def test_report_folders_are_created_as_output_folders_are(tiny_gguf, tmp_path):
-    out, report = tmp_path / "new" / "out", tmp_path / "reports" / "day1" / "r.json"
-    result = run("convert", tiny_gguf, "-o", out, "--report", report, "--tokens", "16")
-    assert result.exit_code == 0, result.output
-    assert json.loads(report.read_text())["saved"] is True and (out / "normswap.json").is_file()
-    (tmp_path / "a-file").write_text("x")
-    result = run("convert", tiny_gguf, "-o", tmp_path / "o2", "--report", tmp_path / "a-file" / "r.json")
-    one_error_line(result, "is not a directory")  # refused before the load
-    assert not (tmp_path / "o2").exists()
-
-
-@pytest.mark.parametrize(
-    "args, fragment",
-    [
-        (["convert", "x", "-o", "y", "--max-memory", "lots"], "--max-memory 'lots' is not a size"),
-        (["convert", "SmolLM2-135M", "-o", "y"], "did you mean 'smollm2-135m'? (short names are lower case"),
-        (["inspect", "Gemma3-270M"], "did you mean 'gemma3-270m'?"),
-        (["check", "smollm2", "out"], "did you mean 'smollm2-135m'?"),
-        (["convert", "x", "-o", "model.safetensors"], "names a file"),
-    ],
-)
-def test_bad_options_answered_before_heavy_imports(args, fragment, tmp_path):
-    """One line, exit 2, without importing torch or transformers (and without asking the hub)."""
-    code = (
-        "import sys\nfrom normswap.cli import main\n"
-        f"try:\n    main({args!r})\nexcept SystemExit as e:\n    code = e.code\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules)\n"
-        "print('imported:', heavy, file=sys.stderr)\nsys.exit(code)"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "NORMSWAP_BACKEND"} | {"PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and lines[-1] == "imported: []", proc.stderr
-    assert len(lines) == 2 and lines[0].startswith("normswap: error: ") and fragment in lines[0], lines
-
-
-def test_local_directory_named_like_a_short_name_in_capitals_is_used(tmp_path, monkeypatch):
-    """Only a name that is no local path is taken for a mistyped short name."""
-    from normswap.catalog import misspelled
-
-    monkeypatch.chdir(tmp_path)
-    assert misspelled("SmolLM2-135M") is not None
-    (tmp_path / "SmolLM2-135M").mkdir()
-    assert misspelled("SmolLM2-135M") is None
-    assert misspelled("HuggingFaceTB/SmolLM2-135M") is None and misspelled("smollm2-135m") is None
-
-
-def test_greedy_on_an_encoder_is_refused(tmp_path):
-    for name in ("a", "b"):
-        make_tiny_model("bert").save_pretrained(tmp_path / name)
-    result = run("check", tmp_path / "a", tmp_path / "b", "--greedy", "4")
-    one_error_line(result, "--greedy compares generated tokens", "encoder without an LM head")
-
-
-# ------------------------------------------------------------------ refusals name the fix
 @pytest.fixture
 def encoder(tmp_path) -> Path:
     """A tiny post-LN BERT directory (no LM head; float32 safetensors)."""
@@ -608,6 +539,76 @@ def test_option_and_path_refusals_name_the_fix(tiny_gguf, tmp_path, monkeypatch)
             "directory); choose another path"
         )
     assert _listing(tmp_path) == before and (tmp_path / "afile").read_text() == "mine\n"
+
+
+# ------------------------------------------------------------------ edges of the options
+def test_empty_output_is_refused(tiny_gguf, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    one_error_line(run("convert", tiny_gguf, "-o", ""), "--output is empty")
+    one_error_line(run("convert", tiny_gguf, "-o", tmp_path / "o", "--report", ""), "--report is empty")
+    one_error_line(run("inspect", tiny_gguf, "--json", " "), "--json is empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [tiny_gguf.name]
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "converted.bin", "out.gguf/"])
+def test_output_named_like_a_file_is_refused(name, tiny_gguf, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    one_error_line(run("convert", tiny_gguf, "-o", name), "names a file", "name a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [tiny_gguf.name]
+
+
+def test_report_folders_are_created_as_output_folders_are(tiny_gguf, tmp_path):
+    out, report = tmp_path / "new" / "out", tmp_path / "reports" / "day1" / "r.json"
+    result = run("convert", tiny_gguf, "-o", out, "--report", report, "--tokens", "16")
+    assert result.exit_code == 0, result.output
+    assert json.loads(report.read_text())["saved"] is True and (out / "normswap.json").is_file()
+    (tmp_path / "a-file").write_text("x")
+    result = run("convert", tiny_gguf, "-o", tmp_path / "o2", "--report", tmp_path / "a-file" / "r.json")
+    one_error_line(result, "is not a directory")  # refused before the load
+    assert not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["convert", "x", "-o", "y", "--max-memory", "lots"], "--max-memory 'lots' is not a size"),
+        (["convert", "SmolLM2-135M", "-o", "y"], "did you mean 'smollm2-135m'? (short names are lower case"),
+        (["inspect", "Gemma3-270M"], "did you mean 'gemma3-270m'?"),
+        (["check", "smollm2", "out"], "did you mean 'smollm2-135m'?"),
+        (["convert", "x", "-o", "model.safetensors"], "names a file"),
+    ],
+)
+def test_bad_options_answered_before_heavy_imports(args, fragment, tmp_path):
+    """One line, exit 2, without importing torch or transformers (and without asking the hub)."""
+    code = (
+        "import sys\nfrom normswap.cli import main\n"
+        f"try:\n    main({args!r})\nexcept SystemExit as e:\n    code = e.code\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules)\n"
+        "print('imported:', heavy, file=sys.stderr)\nsys.exit(code)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NORMSWAP_BACKEND"} | {"PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1] == "imported: []", proc.stderr
+    assert len(lines) == 2 and lines[0].startswith("normswap: error: ") and fragment in lines[0], lines
+
+
+def test_local_directory_named_like_a_short_name_in_capitals_is_used(tmp_path, monkeypatch):
+    """Only a name that is no local path is taken for a mistyped short name."""
+    from normswap.catalog import misspelled
+
+    monkeypatch.chdir(tmp_path)
+    assert misspelled("SmolLM2-135M") is not None
+    (tmp_path / "SmolLM2-135M").mkdir()
+    assert misspelled("SmolLM2-135M") is None
+    assert misspelled("HuggingFaceTB/SmolLM2-135M") is None and misspelled("smollm2-135m") is None
+
+
+def test_greedy_on_an_encoder_is_refused(tmp_path):
+    for name in ("a", "b"):
+        make_tiny_model("bert").save_pretrained(tmp_path / name)
+    result = run("check", tmp_path / "a", tmp_path / "b", "--greedy", "4")
+    one_error_line(result, "--greedy compares generated tokens", "encoder without an LM head")
 
 
 # ------------------------------------------------------------------ the docs say what the CLI does

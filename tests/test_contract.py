@@ -265,7 +265,8 @@ def test_c36_inspect_gives_convert_s_verdict(tmp_path, model):
                     "--report", tmp_path / "r.json")  # fmt: skip
     assert done.exit_code in (0, 1), done.output
     said = {
-        s["name"]: (s["foldable"], s["reason"]) for s in json.loads((tmp_path / "sites.json").read_text())
+        s["name"]: (s["foldable"], s["reason"])
+        for s in json.loads((tmp_path / "sites.json").read_text())["sites"]
     }
     report = json.loads((tmp_path / "r.json").read_text())
     did = {s["name"]: (s["folded"], s["reason"]) for s in report["sites"]}

@@ -136,7 +136,7 @@ def test_norm_with_nonfinite_weight_is_listed(src, tmp_path, value):
     rewrite_weights(src, lambda t: t[f"{norm}.weight"].__setitem__(3, value))
     result = run("inspect", src, "--json", tmp_path / "sites.json")
     assert result.exit_code == 0, result.stderr
-    sites = {s["name"]: s for s in strict_json(tmp_path / "sites.json")}
+    sites = {s["name"]: s for s in strict_json(tmp_path / "sites.json")["sites"]}
     assert len(sites) == 5 and sites[norm]["foldable"] is False
     assert sites[norm]["reason"] == "weight not finite"
     assert sum(s["foldable"] for s in sites.values()) == 4
@@ -826,6 +826,61 @@ def test_c30_ids_beyond_the_vocabulary_are_refused_before_any_model_runs(small, 
     assert not out.exists() and tree(model) == before and hidden(tmp_path) == []
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["in-memory", "streamed"])
+def test_tokenizer_option_tokenizes_the_check_and_the_output_keeps_the_models_own(small, tmp_path, streamed):
+    """``--tokenizer`` of another model (whose ids fit) replaced the model's tokenizer in the output (a fresh
+    user's SmolLM2 output shipped BERT's WordPiece); it tokenizes the check's text only."""
+    other = byte_tokenizer(tmp_path / "other-tokenizer", offset=1)  # ids 1-257: fit vocab_size 260
+    out = tmp_path / "out"
+    result = run(
+        "convert", small, "--output", out, "--tokenizer", other, *FEW, *(STREAMED if streamed else ())
+    )
+    assert result.exit_code == 0, result.stderr
+    saved, own = (json.loads((d / "tokenizer.json").read_text()) for d in (out, small))
+    assert saved["model"]["vocab"] == own["model"]["vocab"]  # ids from 0: the model's own, not other's
+    assert json.loads((out / "normswap.json").read_text())["check_input"]["tokenizer"] == str(other.resolve())
+
+
+# -- files given by name: only normswap's own are replaced ------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "check"])
+def test_named_file_is_replaced_only_when_normswap_wrote_it(src, tmp_path, command):
+    """``--report``/``--json`` onto a user's file (a fresh user's notes.md was silently replaced by a JSON
+    report) is refused in one line, the file untouched and nothing written; a report of an earlier run and
+    an empty file are replaced."""
+    notes = tmp_path / "notes.md"
+    notes.write_text("my precious notes\n")
+    args = {
+        "convert": lambda file, out: ["convert", src, "-o", out, "--tokens", 16, "--report", file],
+        "inspect": lambda file, out: ["inspect", src, "--json", file],
+        "check": lambda file, out: ["check", src, src, "--tokens", 16, "--report", file],
+    }[command]
+    assert_one_line(run(*args(notes, tmp_path / "out1")), 2, str(notes), "normswap did not write it")
+    assert notes.read_text() == "my precious notes\n" and not (tmp_path / "out1").exists()
+    report = tmp_path / "r.json"
+    report.write_text("")  # empty: nothing to lose
+    first = run(*args(report, tmp_path / "out2"))
+    assert first.exit_code == 0, first.stderr
+    assert files.written_by_normswap(report) and json.loads(report.read_text())[files.VERSION_KEY]
+    again = run(*args(report, tmp_path / "out3"))  # the earlier run's report is replaced
+    assert again.exit_code == 0, again.stderr
+    user_json = tmp_path / "mine.json"
+    user_json.write_text('{"model": "mine"}')  # JSON, but not normswap's
+    assert_one_line(run(*args(user_json, tmp_path / "out4")), 2, "normswap did not write it")
+    assert user_json.read_text() == '{"model": "mine"}'
+
+
+def test_zoo_output_replaces_its_own_table_only(tmp_path):
+    """``zoo --output`` replaces a table it generated (docs/COVERAGE.md's header), not another file."""
+    mine = tmp_path / "table.md"
+    mine.write_text("# my table\n")
+    assert_one_line(run("zoo", "--only", "llama", "--output", mine), 2, "normswap did not write it")
+    assert mine.read_text() == "# my table\n"
+    coverage = Path(__file__).parents[1] / "docs" / "COVERAGE.md"
+    assert files.written_by_normswap(coverage)
+
+
 # -- C28: tensors that transformers ignores on load -------------------------------------------------------
 def _mtp_tensors(config, seed: int = 3) -> dict[str, torch.Tensor]:
     """DeepSeek-V3's multi-token-prediction tensors, named as it ships them (layer 61 of a 61-layer model)."""
@@ -897,6 +952,31 @@ def test_c28_tensors_the_loader_skips_reach_the_output(tmp_path, streamed):
         diff = (reloaded(ids).logits - model(ids).logits).abs().max().item()
     assert diff < 1e-5
     assert tree(src) == before
+
+
+@pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
+def test_c28_one_file_input_gives_one_file_output(tmp_path, streamed):
+    """The output keeps the input's layout also with carried tensors: a one-file checkpoint holding MTP
+    tensors stays one file (in memory they were written to a second shard with an index), every tensor
+    bit for bit."""
+    src = tmp_path / "src"
+    dense = {"first_k_dense_replace": 2} if streamed else {}  # streaming refuses stacked experts
+    model = make_tiny_model("deepseek_v3", tie_word_embeddings=False, vocab_size=SMALL_VOCAB, **dense)
+    model.save_pretrained(src)
+    byte_tokenizer(src)
+    mtp = _mtp_tensors(model.config)
+    save_file(
+        load_file(src / "model.safetensors") | mtp, src / "model.safetensors", metadata={"format": "pt"}
+    )
+    out = tmp_path / "out"
+    result = run("convert", src, "--output", out, *FEW, *streamed)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (out / "model.safetensors.index.json").exists()
+    saved = tensors_of(out)
+    assert set(tensors_of(src)) <= set(saved)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in mtp.items())
+    assert strict_json(out / "normswap.json")["verify"]["passed"]
 
 
 @pytest.mark.parametrize(
@@ -1061,6 +1141,17 @@ def test_stale_rotary_buffers_are_carried_and_the_final_norm_still_folds(small, 
     assert data["carried"]["tensors"] == [name] and data["carried"]["norms_kept_unfolded"] == []
     assert data["norms_folded"] == data["norms_found"] == 5
     assert torch.equal(tensors_of(out)[name], torch.arange(8, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])
+def test_files_transformers_writes_are_not_listed_as_copied(small, tmp_path, streamed):
+    """An input holding only what ``save_pretrained`` writes (config, tokenizer files) has nothing copied:
+    no ``copied:`` line and no ``carried`` entry (they were listed although transformers' own were kept)."""
+    out = tmp_path / "out"
+    result = run("convert", small, "--output", out, *FEW, *streamed)
+    assert result.exit_code == 0, result.output
+    assert "copied:" not in result.stdout
+    assert "carried" not in strict_json(out / "normswap.json")
 
 
 @pytest.mark.parametrize("streamed", [(), STREAMED], ids=["memory", "streamed"])

@@ -83,6 +83,7 @@ def check_command(
     from normswap.convert import stream_transform
     from normswap.evaluate import load_for_eval, model_dtype_name, read_text
     from normswap.io import check_output_file, load, quiet_loading, resolve, write_json
+    from normswap.io.files import stamped
     from normswap.progress import Stages
 
     quiet_loading()
@@ -147,7 +148,7 @@ def check_command(
         raise NormswapError(f"{converted}: {error}") from error
     stages.stop()
     if report:
-        write_json(report, result.to_dict())
+        write_json(report, stamped(result.to_dict()))
     click.echo(result.summary())
     if not result.passed:
         raise SystemExit(1)

@@ -357,9 +357,10 @@ def append_tensors(dest: Path, source: Path, names: list[str], dtype: torch.dtyp
 
     They are read one at a time (``InputTensors``; floating ones cast to ``dtype``, as every tensor of the
     conversion) and
-    written in new shards of at most ``max_shard`` bytes (one per tensor beyond it; one shard when
-    ``None``) after the existing ones; every shard is renamed ``model-0000i-of-0000N.safetensors`` and the
-    index (``model.safetensors.index.json``) lists them all.
+    written in new shards of at most ``max_shard`` bytes (one per tensor beyond it) after the existing ones;
+    every shard is renamed ``model-0000i-of-0000N.safetensors`` and the index
+    (``model.safetensors.index.json``) lists them all. A one-file checkpoint with ``max_shard`` None (the
+    input was one file) stays one file, the tensors appended to it.
 
     Returns:
         ``{name: (dtype name, shape, digest)}`` of the tensors as written (``normswap.io.verify``'s
@@ -385,6 +386,8 @@ def append_tensors(dest: Path, source: Path, names: list[str], dtype: torch.dtyp
     for name in names:
         own, shape = reader.meta(name)
         entries.append((name, dtype if own.is_floating_point else own, shape))
+    if not index.is_file() and max_shard is None:  # the input was one file: so is the output
+        return _append_to_single(dest, reader, entries)
     chunks: list[list] = []
     size = 0
     for entry in entries:
@@ -425,6 +428,40 @@ def append_tensors(dest: Path, source: Path, names: list[str], dtype: torch.dtyp
         data = json.loads(index.read_text())
         data["metadata"] = metadata | data["metadata"]
         index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return written
+
+
+def _append_to_single(dest: Path, reader: InputTensors, entries: list) -> dict[str, tuple]:
+    """``append_tensors`` into a one-file checkpoint: ``model.safetensors`` written again beside itself with
+    ``entries`` after its own tensors (each read and written one at a time, bytes unchanged), then put in
+    its place."""
+    from safetensors import safe_open
+
+    from normswap.io.verify import _digest
+    from normswap.stream.shards import SINGLE, CheckpointReader, ShardWriter
+
+    own = CheckpointReader(dest)
+    names = own.names_in(SINGLE)
+    with safe_open(str(dest / SINGLE), "pt") as f:
+        metadata = f.metadata()
+    layout = [(n, own.tensors[n].dtype, own.tensors[n].shape) for n in names] + entries
+    partial = dest / f".{SINGLE}.partial"
+    writer = ShardWriter(partial, layout, metadata)
+    written: dict[str, tuple] = {}
+    try:
+        for name in names:
+            writer.write(name, own.read(name))
+        for name, out_dtype, _ in entries:
+            tensor = reader.read(name, out_dtype)
+            written[name] = (str(out_dtype).removeprefix("torch."), tuple(tensor.shape), _digest(tensor))
+            writer.write(name, tensor)
+            del tensor
+        writer.close()
+    except BaseException:
+        writer.abort()
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, dest / SINGLE)
     return written
 
 

@@ -113,12 +113,13 @@ def check_output_file(path: str | os.PathLike, sources=(), output: str | os.Path
     """Check that a file (``--report``, ``--json``, ...) can be written at ``path``; return it absolute.
 
     Nothing is created. The file must not be, or lie inside, any input model of ``sources`` (MODEL
-    arguments) or the output directory ``output``, and its folder must be writable or creatable (the write
-    creates missing folders, as ``--output`` does).
+    arguments) or the output directory ``output``; an existing file is replaced only when it is empty or
+    normswap wrote it (``files.written_by_normswap``: a report of an earlier run); its folder must be
+    writable or creatable (the write creates missing folders, as ``--output`` does).
 
     Raises:
-        NormswapError: ``path`` is a directory, would overwrite or write into an input model or the output
-            directory, or its folder cannot be created or written.
+        NormswapError: ``path`` is a directory, a file normswap did not write, would overwrite or write into
+            an input model or the output directory, or its folder cannot be created or written.
     """
     target = Path(path).expanduser().resolve()
     guarded = _inputs(list(sources))
@@ -129,6 +130,11 @@ def check_output_file(path: str | os.PathLike, sources=(), output: str | os.Path
             raise NormswapError(f"{path} would overwrite or write into {protected}; choose another file")
     if target.is_dir():
         raise NormswapError(f"{path} is a directory; give a file name")
+    if target.exists() and not files.written_by_normswap(target):
+        raise NormswapError(
+            f"{path} exists and normswap did not write it (only an empty file or a normswap report is "
+            "replaced); give another file name, or remove it yourself"
+        )
     if not target.parent.is_dir():
         _check_creatable(target.parent)
     elif not os.access(target.parent, os.W_OK | os.X_OK):
@@ -189,18 +195,13 @@ def report_dict(report, info: ModelInfo | None = None) -> dict[str, Any]:
     """The JSON-ready manifest for ``normswap.json`` and ``--report``: ``report.to_dict()`` (a
     ``ConvertReport``) plus where the model came from (``model`` = the MODEL argument, ``source`` = the
     resolved ``ModelInfo``), its ``dtype`` and ``architecture``, and the normswap version."""
-    from importlib.metadata import PackageNotFoundError, version
-
     data = report.to_dict() if hasattr(report, "to_dict") else dict(report)
     if info is not None:
         data["model"] = info.source
         data["architecture"] = info.architecture
         data["dtype"] = info.dtype
         data["source"] = info.to_dict()
-    try:
-        data["normswap_version"] = version("normswap")
-    except PackageNotFoundError:
-        data["normswap_version"] = None
+    data[files.VERSION_KEY] = files.normswap_version()
     return data
 
 
@@ -359,6 +360,8 @@ def _write_staged(stage: Staging, model, tokenizer, manifest: dict, inputs, sour
         carry.copy_files(inputs, stage.path)
     if inputs:  # what was copied is known only now (a file the output already held is not copied)
         manifest["carried"] = inputs.to_dict()
+    else:  # nothing was: every file named before was one transformers had written
+        manifest.pop("carried", None)
     carry.check_complete(source, inputs, stage.path, set(model.state_dict()))
     staging.at_stage("written")
     return carried

@@ -60,8 +60,10 @@ from normswap.walk import short_inputs
 
 @dataclass
 class Source:
-    """A safetensors model directory opened for streaming: ``reader``, ``config``, ``tokenizer``, ``info``
-    (``normswap.io.ModelInfo``), ``dtype``, and whether the model's own code may run."""
+    """A safetensors model directory opened for streaming: ``reader``, ``config``, ``tokenizer`` (the
+    model's own, saved with the output; None without tokenizer files), ``info`` (``normswap.io.ModelInfo``),
+    ``dtype``, whether the model's own code may run, and ``check_tokenizer`` (what the check's text is
+    tokenized with: ``--tokenizer``, else ``tokenizer``)."""
 
     reader: CheckpointReader
     config: Any
@@ -69,6 +71,7 @@ class Source:
     info: Any
     dtype: torch.dtype
     trust_remote_code: bool = False
+    check_tokenizer: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -134,9 +137,10 @@ def open_source(
     model: str, dtype: str, trust_remote_code: bool = False, tokenizer: str | None = None
 ) -> Source:
     """Open MODEL for streaming: a local directory with ``config.json`` and safetensors weights, or a hub
-    id whose files are fetched into the Hugging Face cache first (``fetch_hub``). The tokenizer is
+    id whose files are fetched into the Hugging Face cache first (``fetch_hub``). The check's tokenizer is
     ``tokenizer`` (a hub id or directory) if given, else MODEL's own, else ``None`` for a directory without
-    tokenizer files (``normswap.io.load.load_tokenizer``; the check then runs on vocabulary ids).
+    tokenizer files (``normswap.io.load.load_tokenizer``; the check then runs on vocabulary ids); the output
+    gets MODEL's own only.
 
     Every shard's header is checked here, before anything runs or is written.
 
@@ -165,13 +169,16 @@ def open_source(
             f"{model}: --max-memory streams causal LMs only; drop --max-memory to convert it in memory (its "
             f"weights: {size})"
         )
-    loaded_tokenizer = load_tokenizer(resolved, tokenizer, trust_remote_code=trust_remote_code)
+    own = load_tokenizer(resolved, None, trust_remote_code=trust_remote_code)
+    check = (
+        own if tokenizer is None else load_tokenizer(resolved, tokenizer, trust_remote_code=trust_remote_code)
+    )
     architecture = _causal_lm_name(model, config)
     info = ModelInfo(
         source=resolved.source, kind=kind, path=resolved.path, gguf_file=None, short_name=None,
         architecture=architecture, causal_lm=True, dtype=str(torch_type).removeprefix("torch."),
     )  # fmt: skip
-    return Source(reader, config, loaded_tokenizer, info, torch_type, trust_remote_code)
+    return Source(reader, config, own, info, torch_type, trust_remote_code, check)
 
 
 def _causal_lm_name(model: str, config) -> str:
@@ -295,6 +302,7 @@ def convert_streamed(
     rotate: str | None = None,
     rotate_seed: int = 0,
     rotate_heads: bool = False,
+    check_input: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """Convert ``source`` into ``output`` with bounded memory (see the module docstring).
 
@@ -319,6 +327,8 @@ def convert_streamed(
             report's ``timings`` has them (a fresh one when ``None``).
         keep_hidden_states: as ``normswap.convert``'s: the final norm is not folded, and the check requires
             every returned hidden state to match.
+        check_input: what ``input_ids`` are (the CLI's ``check_input`` entry), recorded in the report and
+            ``normswap.json`` as in memory.
 
     Returns:
         ``(report dict as normswap.json holds it, whether the check passed)``. When the check passed (or
@@ -521,6 +531,8 @@ def convert_streamed(
                     rotation.Q.shape[0], heads.size if heads is not None else 0, tensor_numel=largest,
                     tensor_bytes=largest * source.dtype.itemsize,
                 )  # fmt: skip
+            if check_input is not None:
+                data["check_input"] = check_input
             if inputs:
                 data["carried"] = inputs.to_dict()
             stages.start("save", f"{out} (the shards are written; its manifest, then the exchange)")
