@@ -97,15 +97,16 @@ def stream_transform(report: ConvertReport | dict, folder=None):
         (w.split("[", 1)[0].rpartition(".")[0], " groups" in w) for w in centering.get("writers", [])
     ]
     writers = {m for m, grouped in centered_writers if not grouped}
-    per_group = {m for m, grouped in centered_writers if grouped}
+    not_compared = {m for m, grouped in centered_writers if grouped}
     rewritten = {t.split(" -> ", 1)[1].split(" ", 1)[0] for t in centering.get("tables", [])}
     if data.get("rotation"):
         from normswap.rotate import ROTATION_FILE
 
         rotation = data["rotation"]
-        writers |= {
-            t["name"].rpartition(".")[0] for t in rotation.get("tensors", []) if "output" in t["sides"]
-        }
+        tensors = rotation.get("tensors", [])
+        writers |= {t["name"].rpartition(".")[0] for t in tensors if "output" in t["sides"]}
+        # --rotate-heads: value projections write each head's features times H (not the stream)
+        not_compared |= {t["name"].rpartition(".")[0] for t in tensors if "head output" in t["sides"]}
         rewritten |= set(rotation.get("table_norms", []))
         q = getattr(getattr(report, "rotation", None), "Q", None)
         if q is None:
@@ -115,10 +116,10 @@ def stream_transform(report: ConvertReport | dict, folder=None):
             from safetensors.torch import load_file
 
             q = load_file(str(path))["Q"]
-        return rotated(q, bool(rotation.get("centered")), ROTATION_FILE, rewritten, writers, per_group)
+        return rotated(q, bool(rotation.get("centered")), ROTATION_FILE, rewritten, writers, not_compared)
     if not centering:
         return None
-    return centered(FILE, rewritten, writers, per_group)
+    return centered(FILE, rewritten, writers, not_compared)
 
 
 def _model_name(model: nn.Module) -> str:

@@ -419,6 +419,47 @@ def test_c37_localization_compares_like_with_like_after_centering(tmp_path, tiny
     assert divergence["layer"] == 1, divergence
 
 
+@pytest.mark.parametrize(
+    ("model_type", "options", "weight"),
+    [
+        ("llama", ["--rotate", "hadamard", "--rotate-heads"], "model.layers.1.mlp.gate_proj.weight"),
+        ("gpt2", ["--rotate", "hadamard", "--rotate-heads"], "transformer.h.1.mlp.c_fc.weight"),
+        ("gpt2", ["--rotate", "hadamard"], "transformer.h.1.mlp.c_fc.weight"),
+    ],
+    ids=["llama-heads", "gpt2-heads", "gpt2"],
+)
+def test_check_command_localizes_a_rotated_directory(
+    tmp_path, tiny_model, tiny_gguf, model_type, options, weight
+):
+    """``normswap check SRC OUT`` on a rotated directory (the stream map read from normswap.json and the
+    saved Q): a correct output reports no divergence, and one with a layer-1 weight changed is named at
+    layer 1. A fresh user saw a first divergence at layer 0 on correct outputs with --rotate-heads (value
+    projections, rotated per head) and at GPT-2's ln_f (scale folded, bias kept), and layer 0 blamed for a
+    layer-15 fault."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from normswap.io import load_model
+
+    load_model(tiny_gguf).tokenizer.save_pretrained(tmp_path / "src")
+    tiny_model(model_type).save_pretrained(tmp_path / "src")
+    done = _run_cli("convert", tmp_path / "src", "--output", tmp_path / "out", "--tokens", 32, *options)
+    assert done.exit_code == 0, done.output
+    assert "first divergence" not in done.output
+    shutil.copytree(tmp_path / "out", tmp_path / "bad")
+    tensors = load_file(tmp_path / "bad" / "model.safetensors")
+    tensors[weight].view(-1)[::7] *= 1.5
+    save_file(tensors, tmp_path / "bad" / "model.safetensors", metadata={"format": "pt"})
+    for name, code in (("out", 0), ("bad", 1)):
+        checked = _run_cli("check", tmp_path / "src", tmp_path / name, "--tokens", 32, "--report",
+                           tmp_path / f"{name}.json")  # fmt: skip
+        assert checked.exit_code == code, checked.output
+        divergence = json.loads((tmp_path / f"{name}.json").read_text())["divergence"]
+        assert (divergence is None) if code == 0 else (divergence["layer"] == 1), divergence
+
+
 def _localized(entry_name: str, options: dict, perturb: bool):
     """Convert the zoo row ``entry_name`` with ``options`` and compare it with its reference through the
     check's localization (the CLI's route: sites, rotated reference, stream transform); with ``perturb``,

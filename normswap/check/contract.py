@@ -52,9 +52,10 @@ class StreamTransform:
         writers: modules whose output is written into the stream; a norm's consumer among them (a fused
             MoE experts module reads the norm and writes the stream) has its output compared through
             ``apply`` too.
-        per_group: modules whose output centering centers per group (the heads a per-head LayerNorm reads,
-            Cohere's and Persimmon's q/k norms): ``apply`` does not map their whole output, so localization
-            compares the per-head norms' inputs after them instead.
+        not_compared: modules whose output changes by design in a way ``apply`` does not map: centered per
+            group (the heads a per-head LayerNorm reads, Cohere's and Persimmon's q/k norms: localization
+            compares the per-head norms' inputs after them instead) or rotated per head (``--rotate-heads``:
+            the value projections' outputs times ``H``; the layer's output is compared).
     """
 
     name: str
@@ -63,15 +64,15 @@ class StreamTransform:
     file: str | None = None
     rewritten_inputs: frozenset[str] = frozenset()
     writers: frozenset[str] = frozenset()
-    per_group: frozenset[str] = frozenset()
+    not_compared: frozenset[str] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "reason": self.reason, "file": self.file}
 
 
-def centered(file: str | None = None, rewritten_inputs=(), writers=(), per_group=()) -> StreamTransform:
+def centered(file: str | None = None, rewritten_inputs=(), writers=(), not_compared=()) -> StreamTransform:
     """The centering of ``--norm rmsnorm``: every row minus its mean over the last (hidden) axis;
-    ``writers`` and ``per_group`` as in ``StreamTransform``."""
+    ``writers`` and ``not_compared`` as in ``StreamTransform``."""
     return StreamTransform(
         "centered",
         "the residual stream is centered: the original minus its mean over the hidden axis",
@@ -79,12 +80,12 @@ def centered(file: str | None = None, rewritten_inputs=(), writers=(), per_group
         file,
         frozenset(rewritten_inputs),
         frozenset(writers),
-        frozenset(per_group),
+        frozenset(not_compared),
     )
 
 
 def rotated(
-    q: torch.Tensor, centered: bool, file: str | None = None, rewritten_inputs=(), writers=(), per_group=()
+    q: torch.Tensor, centered: bool, file: str | None = None, rewritten_inputs=(), writers=(), not_compared=()
 ) -> StreamTransform:
     """The rotation of ``--rotate`` (``normswap.rotate``): ``h -> h Q`` for every row (after subtracting its
     mean over the hidden axis for a centered, LayerNorm, model); ``q`` is the ``(hidden, hidden)`` matrix;
@@ -107,7 +108,7 @@ def rotated(
         file,
         frozenset(rewritten_inputs),
         frozenset(writers),
-        frozenset(per_group),
+        frozenset(not_compared),
     )
 
 

@@ -169,14 +169,12 @@ def _action(site) -> str:
 
 
 def _folded_since(site) -> bool:
-    """Whether a norm planned with its output probed (not foldable when the reference was taken) was folded
-    into its consumers by the conversion after all (centering gives a LayerNorm's bias a place to go)."""
-    return (
-        site is not None
-        and not isinstance(site, str)
-        and site.folded
-        and getattr(site, "producer", None) is None
-    )
+    """Whether a norm whose output is probed (not foldable when the reference was taken) had its scale
+    folded into its consumers after all: centering gives a LayerNorm's bias a place to go; a rotation folds
+    the scale of a norm that keeps (a multiple of) its bias (``scale_folded``)."""
+    if site is None or isinstance(site, str) or getattr(site, "producer", None) is not None:
+        return False
+    return bool(site.folded or getattr(site, "scale_folded", False))
 
 
 def rel_errors(ref: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -232,7 +230,7 @@ def localize(
         probe = by_key.get((module, where))
         if probe is not None and probe.role == "norm output" and _folded_since(site_by_name.get(probe.site)):
             continue  # its scale now lives in its consumers (whose outputs are compared): not comparable
-        if transform is not None and probe is not None and module in transform.per_group:
+        if transform is not None and probe is not None and module in transform.not_compared:
             continue  # centered per head by design: the per-head norms' inputs are compared after it
         threshold = rtol + (k * own.get(key, 0.0) if own else 0.0)
         stream = probe is not None and (
