@@ -158,17 +158,24 @@ def fixed_bound_text(tol: dict, output_name: str = "logit") -> str:
 
 
 def float64_text(f64: dict) -> str:
-    """``float64_reference`` numbers in words: ``"error vs float64 2.6e-04 <= 4 x 1.1e-04 + 5e-05 =
-    4.9e-04, KL vs float64 3.1e-11 <= 4 x 2.9e-11 + 1e-10 = 2.2e-10"``."""
+    """``float64_reference`` numbers in words: ``"error vs float64 0.00013 <= 2 x 0.00021 (the original's) +
+    5e-05 = 0.00046, KL vs float64 1.1e-11 <= 2 x 1.1e-11 + 1e-10 = 1.2e-10"`` (``>`` where a bound is
+    exceeded), and the point the localization found where the bounds held."""
+
+    def op(value, bound) -> str:
+        return "<=" if value <= bound else ">"
+
     text = (
-        f"error vs float64 {f64['e_conv']:.2g} <= {f64['rule_k']:g} x {f64['e_orig']:.2g} (the original's) "
-        f"+ {f64['rule_abs']:g} = {f64['bound']:.2g}"
+        f"error vs float64 {f64['e_conv']:.2g} {op(f64['e_conv'], f64['bound'])} {f64['rule_k']:g} x "
+        f"{f64['e_orig']:.2g} (the original's) + {f64['rule_abs']:g} = {f64['bound']:.2g}"
     )
     if f64.get("kl_conv") is not None:
         text += (
-            f", KL vs float64 {f64['kl_conv']:.2g} <= {f64['rule_k']:g} x {f64['kl_orig']:.2g} + "
-            f"{f64['rule_kl_abs']:g} = {f64['kl_bound']:.2g}"
+            f", KL vs float64 {f64['kl_conv']:.2g} {op(f64['kl_conv'], f64['kl_bound'])} {f64['rule_k']:g} x "
+            f"{f64['kl_orig']:.2g} + {f64['rule_kl_abs']:g} = {f64['kl_bound']:.2g}"
         )
+    if f64.get("localized"):
+        text += f", but {f64['localized']} differs beyond rounding"
     return text
 
 
