@@ -370,7 +370,11 @@ def main() -> None:
     "OUT/normswap/rotation.safetensors (docs/ROTATION.md).",
 )
 @click.option(
-    "--rotate-seed", type=int, default=0, show_default=True, help="Seed of the rotation's random draws."
+    "--rotate-seed",
+    type=click.IntRange(0, 2**63 - 1),
+    default=0,
+    show_default=True,
+    help="Seed of the rotation's random draws (0 to 2**63 - 1).",
 )
 @click.option(
     "--rotate-heads",

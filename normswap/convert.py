@@ -295,7 +295,7 @@ def convert(
             seeded random orthogonal one); a LayerNorm model is centered first (as ``norm="rmsnorm"``) and
             gets a ``Q`` with ``Q 1 = 1``. Every hidden state becomes the original's (centered) times ``Q``
             (``report.rotation``, docs/ROTATION.md). Needs ``fold``.
-        rotate_seed: seed of the rotation's random signs or Gaussian matrix.
+        rotate_seed: seed of the rotation's random signs or Gaussian matrix, in ``[0, 2**63 - 1]``.
         rotate_heads: also rotate each attention head's values and output projection (``--rotate-heads``).
         keep_hidden_states: keep every hidden state the model returns (``output_hidden_states``, the base
             model's ``last_hidden_state``) the original's: a norm whose output is returned (the final norm) is
@@ -331,6 +331,8 @@ def convert(
 
         if rotate not in KINDS:
             raise ValueError(f"rotate must be one of {KINDS}, got {rotate!r}")
+        if not 0 <= int(rotate_seed) < 2**63:  # torch.Generator's range; negatives would alias large seeds
+            raise ValueError(f"rotate_seed must be in [0, 2**63 - 1], got {rotate_seed}")
         if not fold:
             raise ValueError("rotate needs fold=True: a rotation needs every norm on the stream weightless")
         # checkpoint tensors the class does not run (an MTP layer) would read a rotated stream: the CLI

@@ -387,3 +387,16 @@ def test_a_rotation_that_overflows_float16_is_refused():
     after = _state(model)  # nothing folded, lm_head tied again
     assert state.keys() == after.keys() and all(torch.equal(state[k], after[k]) for k in state)
     assert model.lm_head.weight is model.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("seed", ["-1", "99999999999999999999999"])
+def test_rotate_seed_out_of_range_is_a_usage_error(tmp_path, seed):
+    """A seed torch's generator cannot take ended in a traceback after the load (and -1 aliased 2**64 - 1):
+    refused by the option, exit 2, nothing written."""
+    result = CliRunner().invoke(
+        _main(),
+        ["convert", "llama", "-o", str(tmp_path / "out"), "--rotate", "random", "--rotate-seed", seed],
+    )
+    assert result.exit_code == 2 and "--rotate-seed" in result.output and not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="rotate_seed"):
+        normswap.convert(_entry("llama"), rotate="random", rotate_seed=int(seed))
