@@ -22,11 +22,11 @@ normswap streams"), from the checkpoint's headers and config alone, before anyth
 
 Not included: float32's second rule (``normswap.check``'s float64 reference), which runs only where the
 check's fixed bound misses: the original loaded again and held in float64 (twice its float32 weights) beside
-the converted model, with one float64 forward's activations and logits (SmolLM2-135M, 1024 tokens: +1.27 GiB
-peak RSS, docs/CHECKING.md). Counting it would move most models that pass the fixed bound to the streamed
-path for memory they never use. Where the rerun does not fit, torch's allocation error is caught and the
-fixed bound's verdict stands (``NoFloat64Reference``), unless the kernel's out-of-memory killer ends the
-process first.
+the converted model, with one float64 forward's activations and logits (SmolLM2-135M, 1024 tokens: +1.3-1.6
+GiB peak RSS, docs/CHECKING.md). Counting it would move most models that pass the fixed bound to the streamed
+path for memory they never use. Where the rerun does not fit, torch's allocation error is caught and the fixed
+bound's verdict stands (``NoFloat64Reference``), unless the kernel's out-of-memory killer ends the process
+first.
 
 The stages do not overlap: loading (weights + cast), the reference (weights + upcast + logits +
 activations), the conversion and check (weights + untie + centering + rotation + logits + activations); the
