@@ -19,11 +19,9 @@ Writes ``stream.json``, ``stream.md`` (the table) and, with matplotlib (`pip ins
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -32,21 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _timed(args: list[str], log) -> dict:
-    """Run ``python -m normswap ARGS`` under ``/usr/bin/time -v``: exit code, peak RSS (GiB), wall (s)."""
-    command = ["/usr/bin/time", "-v", sys.executable, "-m", "normswap", *args]
-    log("$ " + " ".join(command[2:]))
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
-    if done.returncode != 0:
-        log(done.stdout + done.stderr[-2000:])
-    return {
-        "exit": done.returncode,
-        "peak_rss_gib": int(peak.group(1)) / 2**20 if peak else None,
-        "wall_s": round(wall, 1),
-        "summary": done.stdout.strip().splitlines(),
-    }
+    from normswap.bench.report import timed_normswap
+
+    return timed_normswap(args, log, cwd=ROOT)
 
 
 def _make(out: Path, *extra: str, log) -> float:

@@ -22,10 +22,7 @@ the folder it made inside --work.
 from __future__ import annotations
 
 import json
-import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,22 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _timed(args: list[str], log) -> dict:
-    """``python -m normswap ARGS`` under ``/usr/bin/time -v``: exit code, peak RSS (GiB), wall (s), stdout."""
-    command = ["/usr/bin/time", "-v", sys.executable, "-m", "normswap", *args]
-    log("$ normswap " + " ".join(args))
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
-    if done.returncode != 0:
-        log(done.stdout + done.stderr[-2000:])
-    return {
-        "args": args,
-        "exit": done.returncode,
-        "peak_rss_gib": round(int(peak.group(1)) / 2**20, 3) if peak else None,
-        "wall_s": round(wall, 1),
-        "summary": done.stdout.strip().splitlines(),
-    }
+    from normswap.bench.report import timed_normswap
+
+    return timed_normswap(args, log, cwd=ROOT)
 
 
 def _save_safetensors(folder: Path) -> None:

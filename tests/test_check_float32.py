@@ -290,7 +290,9 @@ def test_check_command_reloads_the_original(tmp_path):
     assert "FAILED (fixed bound: max |logit diff| <= 0.0002" in result.output
 
 
-def test_streamed_convert_rebuilds_the_original(tmp_path, monkeypatch):
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "in-memory"])
+def test_convert_reobtains_the_original(tmp_path, monkeypatch, streamed):
+    """Streamed, the original is rebuilt over the untouched input shards; in memory, reloaded from MODEL."""
     from test_stream import save_sharded
     from transformers import AutoTokenizer
 
@@ -304,35 +306,13 @@ def test_streamed_convert_rebuilds_the_original(tmp_path, monkeypatch):
     tight = policy.DEFAULT_TOLERANCE["float32"] | {"max_abs": 1e-12}
     monkeypatch.setitem(policy.DEFAULT_TOLERANCE, "float32", tight)
     report_file = tmp_path / "r.json"
-    args = ["convert", str(src), "-o", str(tmp_path / "out"), "--max-memory", "1KB", "--tokens", "64",
+    how = ["--max-memory", "1KB"] if streamed else ["--no-stream"]
+    args = ["convert", str(src), "-o", str(tmp_path / "out"), *how, "--tokens", "64",
             "--report", str(report_file)]  # fmt: skip
     result = CliRunner().invoke(main, args, env={"HF_HUB_OFFLINE": "1"})
     assert result.exit_code == 0, result.output
     report = json.loads(report_file.read_text())
-    assert report["streamed"] and report["check"]["rule"] == "float64 reference"
-    assert report["check"]["float64_reference"]["rerun_max_abs"] == 0.0
-    assert "PASSED by the float64 reference" in result.output
-
-
-def test_in_memory_convert_reloads_the_original(tmp_path, monkeypatch):
-    from test_stream import save_sharded
-    from transformers import AutoTokenizer
-
-    from normswap.check import policy
-    from normswap.cli import main
-
-    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    src = save_sharded(make_tiny_model("llama"), tokenizer, tmp_path / "src")
-    tight = policy.DEFAULT_TOLERANCE["float32"] | {"max_abs": 1e-12}
-    monkeypatch.setitem(policy.DEFAULT_TOLERANCE, "float32", tight)
-    report_file = tmp_path / "r.json"
-    args = ["convert", str(src), "-o", str(tmp_path / "out"), "--no-stream", "--tokens", "64",
-            "--report", str(report_file)]  # fmt: skip
-    result = CliRunner().invoke(main, args, env={"HF_HUB_OFFLINE": "1"})
-    assert result.exit_code == 0, result.output
-    report = json.loads(report_file.read_text())
-    assert "streamed" not in report and report["check"]["rule"] == "float64 reference"
+    assert ("streamed" in report) == streamed and report["check"]["rule"] == "float64 reference"
     assert report["check"]["float64_reference"]["rerun_max_abs"] == 0.0
     assert "PASSED by the float64 reference" in result.output
 

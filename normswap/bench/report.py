@@ -23,6 +23,32 @@ def run_folder(work: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix="run-", dir=work))
 
 
+def timed_normswap(args: list[str], log, cwd: Path | None = None) -> dict:
+    """Run ``python -m normswap ARGS`` under ``/usr/bin/time -v`` (the benchmarks' side-by-side runs):
+    ``args``, ``exit``, ``peak_rss_gib`` (peak resident set, GiB), ``wall_s`` (s) and ``summary`` (its stdout
+    lines); ``log`` gets the command line, and stdout and stderr's tail on a non-zero exit."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    command = ["/usr/bin/time", "-v", sys.executable, "-m", "normswap", *args]
+    log("$ normswap " + " ".join(args))
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
+    if done.returncode != 0:
+        log(done.stdout + done.stderr[-2000:])
+    return {
+        "args": args,
+        "exit": done.returncode,
+        "peak_rss_gib": round(int(peak.group(1)) / 2**20, 3) if peak else None,
+        "wall_s": round(wall, 1),
+        "summary": done.stdout.strip().splitlines(),
+    }
+
+
 def _cpuinfo(field: str) -> str | None:
     """The value of the first ``field`` line of /proc/cpuinfo (Linux), or None."""
     try:

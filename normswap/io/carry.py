@@ -366,7 +366,6 @@ def append_tensors(dest: Path, source: Path, names: list[str], dtype: torch.dtyp
         ``{name: (dtype name, shape, digest)}`` of the tensors as written (``normswap.io.verify``'s
         fingerprint), for the verification.
     """
-    from normswap.io.verify import _digest
     from normswap.stream.shards import INDEX, SINGLE, ShardWriter, nbytes, write_index
 
     if not names:
@@ -410,11 +409,7 @@ def append_tensors(dest: Path, source: Path, names: list[str], dtype: torch.dtyp
     for chunk, file in zip(chunks, file_names[len(existing) :], strict=True):
         writer = ShardWriter(dest / file, chunk)
         try:
-            for name, out_dtype, _ in chunk:
-                tensor = reader.read(name, out_dtype)
-                written[name] = (str(out_dtype).removeprefix("torch."), tuple(tensor.shape), _digest(tensor))
-                writer.write(name, tensor)
-                del tensor
+            written |= _write_entries(writer, reader, chunk)
             writer.close()
         except BaseException:
             writer.abort()
@@ -431,13 +426,26 @@ def append_tensors(dest: Path, source: Path, names: list[str], dtype: torch.dtyp
     return written
 
 
+def _write_entries(writer, reader: InputTensors, entries: list) -> dict[str, tuple]:
+    """Write ``entries`` (``(name, dtype, shape)``) of the input, read one at a time in ``dtype``, with
+    ``writer``; returns each one's ``(dtype name, shape, digest)`` as written."""
+    from normswap.io.verify import _digest
+
+    written = {}
+    for name, out_dtype, _ in entries:
+        tensor = reader.read(name, out_dtype)
+        written[name] = (str(out_dtype).removeprefix("torch."), tuple(tensor.shape), _digest(tensor))
+        writer.write(name, tensor)
+        del tensor
+    return written
+
+
 def _append_to_single(dest: Path, reader: InputTensors, entries: list) -> dict[str, tuple]:
     """``append_tensors`` into a one-file checkpoint: ``model.safetensors`` written again beside itself with
     ``entries`` after its own tensors (each read and written one at a time, bytes unchanged), then put in
     its place."""
     from safetensors import safe_open
 
-    from normswap.io.verify import _digest
     from normswap.stream.shards import SINGLE, CheckpointReader, ShardWriter
 
     own = CheckpointReader(dest)
@@ -447,15 +455,10 @@ def _append_to_single(dest: Path, reader: InputTensors, entries: list) -> dict[s
     layout = [(n, own.tensors[n].dtype, own.tensors[n].shape) for n in names] + entries
     partial = dest / f".{SINGLE}.partial"
     writer = ShardWriter(partial, layout, metadata)
-    written: dict[str, tuple] = {}
     try:
         for name in names:
             writer.write(name, own.read(name))
-        for name, out_dtype, _ in entries:
-            tensor = reader.read(name, out_dtype)
-            written[name] = (str(out_dtype).removeprefix("torch."), tuple(tensor.shape), _digest(tensor))
-            writer.write(name, tensor)
-            del tensor
+        written = _write_entries(writer, reader, entries)
         writer.close()
     except BaseException:
         writer.abort()
