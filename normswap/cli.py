@@ -726,7 +726,9 @@ def _contract_lines(check: dict, report: dict) -> list[str]:
         return []
     out = [("contract: " if i == 0 else " " * 10) + line for i, line in enumerate(lines(contract, check))]
     folded = any(e["status"] == BY_DESIGN and not e.get("relation") for e in contract)
-    if folded and not report.get("keep_hidden_states"):
+    # centering and rotation move the stream by design, which --keep-hidden-states refuses: no hint then
+    moved = report.get("rotation") or (report.get("centering") or {}).get("sites")
+    if folded and not report.get("keep_hidden_states") and not moved:
         out.append(" " * 10 + "(--keep-hidden-states keeps every hidden state the original's)")
     return out
 

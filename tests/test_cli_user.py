@@ -367,10 +367,11 @@ def test_ctrl_c_signal_in_a_real_process(sig, tiny_gguf, tmp_path):
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=300)
         output = tmp_path / f"o{i}"
-        # killed by the signal: only once the interpreter is shutting down, the output complete
-        assert proc.returncode in (code, 0) or (proc.returncode == -sig and output.exists()), (delay, err)
+        # killed by the signal (the shell shows 130 / 143 too): before Python's handler is in place, or as the
+        # interpreter exits after the line (Python ends an uncaught interrupt by the signal itself)
+        assert proc.returncode in (code, 0, -sig), (delay, proc.returncode, err)
         assert "Aborted!" not in err, err
-        if proc.returncode == code:
+        if proc.returncode == code or (proc.returncode == -sig and err.strip()):
             assert "Traceback" not in err and "" not in err.splitlines(), err
             assert err.splitlines()[-1].startswith(f"normswap: {how}"), err
         if output.exists():  # the run got past the exchange (or ended before the signal came)

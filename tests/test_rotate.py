@@ -311,6 +311,7 @@ def test_cli_rotates_saves_q_and_reloads(tmp_path):
     assert (
         "rotated:  Q 64 x 64: randomized Hadamard" in result.output
         and "first divergence" not in result.output
+        and "--keep-hidden-states keeps" not in result.output  # it refuses a rotation: no such hint
     )
     manifest = json.loads((out / "normswap.json").read_text())
     assert manifest["rotation"]["file"] == ROTATION_FILE and manifest["rotation"]["centered"] is True
