@@ -208,7 +208,7 @@ def _no_interrupts():
             signal.signal(number, handler if handler is not None else signal.SIG_DFL)
 
 
-_INTERRUPT = "normswap.interrupt"  # click context meta: (Stages, output path, its absolute path)
+_INTERRUPT = "normswap.interrupt"  # click context meta: (Stages, output, its absolute path, existed before)
 
 
 def _stages(output: Path | None = None) -> progress.Stages:
@@ -216,11 +216,12 @@ def _stages(output: Path | None = None) -> progress.Stages:
     stages = progress.Stages()
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
-        absolute = None
+        absolute, existed = None, True
         if output is not None:
             with contextlib.suppress(OSError, RuntimeError):
                 absolute = Path(output).expanduser().resolve()
-        ctx.meta[_INTERRUPT] = (stages, output, absolute)
+                existed = absolute.exists()
+        ctx.meta[_INTERRUPT] = (stages, output, absolute, existed)
     return stages
 
 
@@ -236,7 +237,7 @@ def _interrupted(meta: dict) -> str:
     how = _signals.how
     if meta.get(_INTERRUPT) == "finished":
         return f"normswap: {how} after the command finished; what it printed and wrote is complete"
-    stages, output, absolute = meta.get(_INTERRUPT) or (None, None, None)
+    stages, output, absolute, existed = meta.get(_INTERRUPT) or (None, None, None, True)
     stage = stages.current if stages is not None else None
     where = f" during {stage}" if stage else ""
     if output is None:
@@ -248,16 +249,19 @@ def _interrupted(meta: dict) -> str:
         verified = (saved.get("verify") or {}).get("passed") and checked
         state = "the new, verified checkpoint" if verified else "the new checkpoint, saved anyway (--force)"
         return f"normswap: {how} after the save; {output} holds {state}"
+    # an output that did not exist before the command is not there now either (the new one is beside it)
+    absent = not existed and absolute is not None and not absolute.exists()
+    state = f"{output} was not created" if absent else f"{output} is as it was before"
     if stage == "verify":
         why = "was not verified"
     elif stage == "save":
         why = "was not complete"
     elif staging is not None and absolute is not None and staging.staged(absolute):
-        why = "had not replaced it"
+        why = "was not in place yet" if absent else "had not replaced it"
     else:
-        return f"normswap: {how}{where}; nothing was written ({output} is as it was before)"
+        return f"normswap: {how}{where}; nothing was written ({state})"
     doing = {"save": " while saving", "verify": " while verifying"}.get(stage, where or " while saving")
-    return f"normswap: {how}{doing}; {output} is as it was before (the new checkpoint {why} and is removed)"
+    return f"normswap: {how}{doing}; {state} (the new checkpoint {why} and is removed)"
 
 
 def _quiet_transformers() -> None:

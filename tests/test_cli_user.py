@@ -227,7 +227,7 @@ def _interrupt(monkeypatch, owner, name, after=0):
     monkeypatch.setattr(owner, name, interrupted)
 
 
-STATE = "{out} is as it was before (the new checkpoint was not {what} and is removed)"
+STATE = "{out} was not created (the new checkpoint was not {what} and is removed)"
 SAVING = "normswap: interrupted while saving; " + STATE.replace("{what}", "complete")
 VERIFYING = "normswap: interrupted while verifying; " + STATE.replace("{what}", "verified")
 
@@ -236,7 +236,7 @@ VERIFYING = "normswap: interrupted while verifying; " + STATE.replace("{what}", 
     "where, says",
     [
         ("parse", "normswap: interrupted; nothing was written"),
-        ("load", "normswap: interrupted during load; nothing was written ({out} is as it was before)"),
+        ("load", "normswap: interrupted during load; nothing was written ({out} was not created)"),
         ("save", SAVING),
         ("verify", VERIFYING),
         ("replaced", "normswap: interrupted after the save; {out} holds the new, verified checkpoint"),
@@ -305,7 +305,7 @@ def test_ctrl_c_that_a_library_turns_into_another_error(tiny_gguf, tmp_path, mon
     result = run("convert", tiny_gguf, "-o", tmp_path / "out")
     assert result.exit_code == 130 and "normswap: error" not in result.stderr, result.output
     assert result.stderr.strip().splitlines()[-1] == (
-        f"normswap: interrupted during load; nothing was written ({tmp_path / 'out'} is as it was before)"
+        f"normswap: interrupted during load; nothing was written ({tmp_path / 'out'} was not created)"
     )
 
     def crashing(*args, **kwargs):  # the same with an exception that is not bad input
