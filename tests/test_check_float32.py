@@ -158,6 +158,43 @@ def test_float64_pass_needs_the_localization_to_agree(ids, monkeypatch):
     assert "but model.layers.1.mlp.gate_proj:output differs beyond rounding" in verdict_line(bad.to_dict())
 
 
+def test_fixed_bound_pass_needs_the_localization_to_agree(ids):
+    """A fresh user's corruption of a plain converted SmolLM2 (one q_proj row x 1.001) moved the logits by
+    less than the fixed bound, and the check printed PASS next to the divergence it had found. Here, on a
+    tiny Llama with logits of order 1: one q_proj row x (1 + 1e-3) moves them by ~1e-6 (far inside 2e-4)
+    while that projection's output moves by ~1e-3 / 8 relative (> 1e-5): FAILED by the localization,
+    naming the point; the correct conversion passes with no divergence; a given tolerance (--max-abs)
+    leaves the logits' rule final."""
+    from normswap.walk import short_inputs, walk
+
+    def run(perturb: bool, **tolerance):
+        model = make_tiny_model("llama", seed=4)
+        traced = walk(model, short_inputs(ids))
+        reference = reference_outputs(model, ids, sites=traced.sites)
+        report = convert(model, traced=traced)
+        if perturb:
+            with torch.no_grad():
+                model.model.layers[1].self_attn.q_proj.weight[3] *= 1 + 1e-3
+        return compare(reference, model, ids, sites=report.sites, tolerance=tolerance or None)
+
+    good = run(False)
+    assert good.passed and good.rule == "fixed bound" and good.divergence is None and good.localized is None
+    bad = run(True)
+    assert bad.max_abs_logit_diff <= bad.tolerance["max_abs"] / 10, bad.max_abs_logit_diff  # logits: PASS
+    assert not bad.passed and bad.rule == "fixed bound", bad.summary()
+    assert bad.localized == bad.divergence["point"] == "model.layers.1.self_attn.q_proj:output"
+    assert bad.failures == [
+        f"the logits are within the fixed bound, but {bad.localized} differs beyond rounding (relative error "
+        f"{bad.divergence['rel_error']:.3g} > 1e-05): a change the logits cannot tell from float32 rounding"
+    ]
+    assert verdict_line(bad.to_dict()) == (
+        f"FAILED by the localization: {bad.localized} differs beyond rounding (the fixed bound held: "
+        "max |logit diff| <= 0.0002, top-1 >= 100%)"
+    )
+    loose = run(True, max_abs=2e-4)  # the user's bound is final
+    assert loose.passed and loose.divergence is not None and loose.localized is None
+
+
 def test_against_reference_is_k_times_the_originals_error_plus_abs():
     orig = {"max_abs": 1e-4, "kl_mean": 1e-11}
     k, a, kl_a = FLOAT64_RULE["k"], FLOAT64_RULE["abs"], FLOAT64_RULE["kl_abs"]

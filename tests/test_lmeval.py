@@ -235,6 +235,7 @@ def test_tasks_two_processes_match_one(pair, one_process, tmp_path):
             assert two["metrics"][metric][key] == pytest.approx(value, rel=1e-12, abs=1e-15), (metric, key)
 
 
+@pytest.mark.slow  # CI time; the tiny models' tests cover the same kinds
 @pytest.mark.real
 def test_tasks_smollm2(tmp_path):
     """SmolLM2-135M (GGUF) vs its conversion, saved and reloaded with the fused norms (load_pretrained):

@@ -346,6 +346,7 @@ def test_shard_writer_reads_back_with_safetensors(tmp_path):
         ShardWriter(tmp_path / "y.safetensors", [("a", torch.float32, (2,))]).write("b", torch.zeros(2))
 
 
+@pytest.mark.slow  # CI time; the tiny models' tests cover the same kinds
 @pytest.mark.real
 def test_smollm2_safetensors_streamed_equals_in_memory(tmp_path):
     from normswap.io import load_model

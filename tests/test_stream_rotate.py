@@ -185,6 +185,7 @@ def test_two_processes_write_the_same_rotated_bytes(tokenizer, tmp_path):  # noq
     assert_verified(two, done.stdout)
 
 
+@pytest.mark.slow  # CI time; the tiny models' tests cover the same kinds
 @pytest.mark.real
 def test_smollm2_rotated_streamed_equals_in_memory(tmp_path):
     """SmolLM2-135M (as float32 safetensors) with --rotate hadamard, in memory and under --max-memory 100MB:

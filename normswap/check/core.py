@@ -123,7 +123,10 @@ class CheckResult:
     constants, ``fixed_bound_missed`` (the fixed bound's failed criteria), ``seconds`` (the rerun's time),
     ``rerun_max_abs`` (the re-obtained original in float32 against the reference: 0 for the same model);
     ``{"unavailable": reason, "fixed_bound_missed": [...]}`` where the original could not be re-obtained
-    or run in float64 (the fixed bound is then final); ``None`` where it did not run.
+    or run in float64 (the fixed bound is then final); ``None`` where it did not run. ``localized``: in
+    float32/float64 with the sites known, the point where the localization found a divergence that failed a
+    check whose logits passed their rule (an error the size of float32 rounding in the logits; ``None``
+    otherwise; a given ``max_abs``/``top1`` tolerance leaves the logits' rule final).
     """
 
     max_abs_logit_diff: float
@@ -154,6 +157,7 @@ class CheckResult:
     transform: dict | None = None
     rule: str = FIXED
     float64_reference: dict | None = None
+    localized: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -580,6 +584,7 @@ def compare(
             "converted": _metrics(kind, reference.upcast, conv, targets),
         }
     failures = judge(m, tol, half)
+    fixed_passed = not failures
     rule, f64 = (FLOAT32 if half is not None else FIXED), None
     explicit = any(key in (tolerance or {}) for key in EXPLICIT_KEYS)
     nonfinite = m.get("nonfinite_ref") or m.get("nonfinite_conv")
@@ -614,15 +619,20 @@ def compare(
             k=tol.get("k", 0.0),
             transform=transform,
         )
-    if rule == FLOAT64 and divergence is not None and not f64.get("failed"):
-        # the float64 reference cannot tell an error of the size of float32 rounding from rounding; the
+    localized = None
+    if divergence is not None and half is None and not explicit:
+        # neither logits rule can tell an error of the size of float32 rounding from rounding; the
         # localization's records (1e-5 relative at each point) can: it names a change where it starts
-        f64["localized"] = divergence["point"]
-        failures.append(
-            f"the float64 reference passes, but {divergence['point']} differs beyond rounding (relative "
-            f"error {divergence['rel_error']:.3g} > {divergence['threshold']:.3g}): a change the logits "
-            "cannot tell from float32 rounding"
+        beyond = (
+            f"{divergence['point']} differs beyond rounding (relative error {divergence['rel_error']:.3g} > "
+            f"{divergence['threshold']:.3g}): a change the logits cannot tell from float32 rounding"
         )
+        if rule == FLOAT64 and not f64.get("failed"):
+            localized = f64["localized"] = divergence["point"]
+            failures.append(f"the float64 reference passes, but {beyond}")
+        elif rule == FIXED and fixed_passed:
+            localized = divergence["point"]
+            failures.append(f"the logits are within the fixed bound, but {beyond}")
     greedy = None
     if reference.greedy is not None:
         new = _greedy(converted_model, ids, reference.greedy.shape[1])
@@ -658,6 +668,7 @@ def compare(
         transform=transform.to_dict() if transform is not None else None,
         rule=rule,
         float64_reference=f64,
+        localized=localized,
     )
 
 

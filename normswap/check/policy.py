@@ -183,7 +183,8 @@ def verdict_line(check: dict) -> str:
     """The verdict of a ``CheckResult.to_dict()`` in one line, as ``convert`` and ``check`` print it:
     ``"PASSED by the fixed bound: max |logit diff| <= 0.0002, top-1 >= 100%"``, ``"PASSED by the float64
     reference: error vs float64 ... (the fixed bound missed: max abs difference 0.00026 > 0.0002)"``,
-    ``"PASSED by the float32 reference: ..."`` (half precision) or ``"FAILED ..."`` with the numbers of
+    ``"PASSED by the float32 reference: ..."`` (half precision), ``"FAILED by the localization: ..."``
+    (float32: the logits held their bound, a record did not) or ``"FAILED ..."`` with the numbers of
     every rule tried (the failed criteria are listed on their own lines)."""
     output_name = {"logits": "logit", "last_hidden_state": "hidden state"}.get(check.get("output"), "logit")
     rule = check.get("rule") or FIXED
@@ -196,6 +197,9 @@ def verdict_line(check: dict) -> str:
                 f" (the fixed bound missed: {missed})" if missed else ""
             )
         return f"PASSED by the {rule}" + (f": {fixed}" if fixed else "")
+    if rule == FIXED and check.get("localized"):
+        point = check["localized"]
+        return f"FAILED by the localization: {point} differs beyond rounding (the {FIXED} held: {fixed})"
     tried = f"{rule}: {fixed}" if rule != FLOAT64 else f"{FIXED}: {fixed}; {FLOAT64}: {float64_text(f64)}"
     if f64.get("unavailable"):
         tried += f"; no {FLOAT64}: {f64['unavailable']}"
