@@ -54,6 +54,20 @@ class _Context(click.Context):
             raise _Interrupted from error
 
 
+def _show(error: click.ClickException) -> None:
+    """A usage error (a bad option value, a missing argument) as one stderr line naming the command's
+    --help, as normswap's own refusals are; ``normswap`` alone still prints the help (click's
+    ``NoArgsIsHelpError``)."""
+    if isinstance(error, click.exceptions.NoArgsIsHelpError):
+        error.show()
+        return
+    message = " ".join(error.format_message().split())
+    ctx = getattr(error, "ctx", None)
+    if isinstance(error, click.UsageError) and ctx is not None:
+        message += f" (see {ctx.command_path} --help)"
+    click.echo(f"normswap: error: {message}", err=True)
+
+
 class _Group(click.Group):
     """Turns a ``NormswapError`` raised by any command into one stderr line and exit code 2, and an
     interrupt (Ctrl-C: SIGINT) or a termination (``kill``, ``timeout``, ``docker stop``: SIGTERM) at any
@@ -99,7 +113,7 @@ class _Group(click.Group):
                         sys.exit(1)
                 except click.ClickException as error:
                     if not _signals.seen:
-                        error.show()
+                        _show(error)
                         sys.exit(error.exit_code)
                 except OSError as error:  # stdout closed early (| head): quiet, as click's standalone mode
                     if error.errno != errno.EPIPE or _signals.seen:

@@ -662,3 +662,31 @@ def test_docs_synopsis_lists_every_option(command):
     ]
     assert not missing, missing
     assert "-o DIR" in _read("README.md")
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["convert", "llama", "-o", "x", "--rotate", "random", "--rotate-seed", "-1"], "'--rotate-seed': -1"),
+        (["convert", "llama", "-o", "x", "--tokens", "0"], "'--tokens': 0 is not in the range"),
+        (["convert", "llama", "-o", "x", "--rotate-seed", "3"], "need --rotate hadamard|random"),
+        (["convert", "llama", "--frob"], "No such option '--frob'"),
+        (["inspect"], "Missing argument 'MODEL'"),
+    ],
+)
+def test_usage_errors_are_one_line(args, says, tmp_path, monkeypatch):
+    """README: bad input gets one line on stderr. click's usage errors printed three (Usage, Try, Error),
+    with an empty line among them: now one, naming the problem and the command's --help; exit 2, nothing
+    written."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, args, prog_name="normswap")
+    command = "normswap " + args[0]
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith("normswap: error: ") and says in line and line.endswith(f"(see {command} --help)")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_normswap_alone_prints_its_help():
+    result = CliRunner().invoke(main, [], prog_name="normswap")
+    assert result.exit_code == 2 and "Usage: normswap" in result.output and "convert" in result.output

@@ -522,14 +522,20 @@ def test_overwrite_guard(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(NormswapError, match="already exists; pass overwrite=True") as error:
+    # without overwrite: not told to pass it (a fresh user did, and was refused again)
+    with pytest.raises(
+        NormswapError, match="already exists and is not a normswap output .* holds keep.txt;"
+    ) as error:
         save_converted(model, None, _report(), out)
     _one_line(error)
+    assert "pass overwrite" not in str(error.value) and "choose another output directory" in str(error.value)
     with pytest.raises(NormswapError, match="is not a normswap output .* holds keep.txt;") as error:
         save_converted(model, None, _report(), out, overwrite=True)
     _one_line(error)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     (out / "keep.txt").unlink()
+    with pytest.raises(NormswapError, match="already exists; pass overwrite=True to replace it"):
+        save_converted(model, None, _report(), out)  # empty: may be replaced, if asked
     save_converted(model, None, _report(run=1), out, overwrite=True)  # empty: replaced
     save_converted(model, None, _report(run=2), out, overwrite=True)  # its own output: replaced
     assert json.loads((out / "normswap.json").read_text())["run"] == 2

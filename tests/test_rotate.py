@@ -63,6 +63,32 @@ def test_hidden_states_are_the_originals_times_q(name, heads):
     assert (before.hidden_states[1] - after.hidden_states[1]).abs().max().item() > 0.1  # it did rotate
 
 
+def test_final_norm_output_is_unweighted_and_rotated():
+    """After the final norm, the rotated Llama returns the original's output divided by the norm weight
+    (folded into lm_head) and times Q (a norm's output turns with its input); the contract line said only
+    the first (a fresh user measured 4.97 off when dividing by the weight alone) and now says both."""
+    from normswap.check import compare, reference_outputs
+    from normswap.convert import stream_transform
+    from normswap.rotate import rotate_reference
+    from normswap.walk import short_inputs, walk
+
+    model = _entry("llama")
+    original, ids = copy.deepcopy(model), example_ids()
+    weight = model.model.norm.weight.detach().double().clone()
+    traced = walk(model, short_inputs(ids))
+    reference = reference_outputs(model, ids, sites=traced.sites)
+    report = normswap.convert(model, rotate="hadamard", traced=traced)
+    rotate_reference(reference, report.rotation)
+    want = (_hidden(original, ids).hidden_states[-1].double() / weight) @ report.rotation.Q
+    got = _hidden(model, ids).hidden_states[-1].double()
+    assert ((want - got).abs().max() / want.abs().max()).item() <= TOL
+    result = compare(reference, model, ids, sites=report.sites, transform=stream_transform(report))
+    last = [e for e in result.contract if e["output"] == f"hidden_states[{len(model.model.layers)}]"]
+    assert result.passed and [e["reason"] for e in last] == [
+        "the weight of norm model.norm is folded into lm_head, and it is rotated with the stream (times Q)"
+    ]
+
+
 @pytest.mark.parametrize("name", ["gpt2", "opt"])
 def test_exact_in_float64(name):
     """In float64 (nn.LayerNorm computes in float64), the centered rotation with heads is exact to rounding:

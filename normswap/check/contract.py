@@ -298,6 +298,8 @@ def judge(
             entry.reason = f"the weight{offset} of norm {site.name} is folded into {consumers}"
             if not site.folded:
                 entry.reason += " (its bias, divided by the weight, kept on the norm)"
+            if transform is not None and transform.name == "rotated":  # a norm's output commutes with Q
+                entry.reason += ", and it is rotated with the stream (times Q)"
         if entry.status == SAME:
             entry.status = CHANGED
             if not known and not keep_hidden_states:

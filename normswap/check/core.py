@@ -124,9 +124,10 @@ class CheckResult:
     ``rerun_max_abs`` (the re-obtained original in float32 against the reference: 0 for the same model);
     ``{"unavailable": reason, "fixed_bound_missed": [...]}`` where the original could not be re-obtained
     or run in float64 (the fixed bound is then final); ``None`` where it did not run. ``localized``: in
-    float32/float64 with the sites known, the point where the localization found a divergence that failed a
-    check whose logits passed their rule (an error the size of float32 rounding in the logits; ``None``
-    otherwise; a given ``max_abs``/``top1`` tolerance leaves the logits' rule final).
+    float32/float64 with sites that describe the conversion (folded or swapped: ``convert``'s, a saved
+    output's), the point where the localization found a divergence that failed a check whose logits passed
+    their rule (an error the size of float32 rounding in the logits); ``None`` otherwise (a given
+    ``max_abs``/``top1`` tolerance leaves the logits' rule final).
     """
 
     max_abs_logit_diff: float
@@ -620,7 +621,10 @@ def compare(
             transform=transform,
         )
     localized = None
-    if divergence is not None and half is None and not explicit:
+    # sites that describe the conversion (folded or swapped: convert's, a normswap output's manifest), as
+    # for the contract; without them (none, or the original's from inspect) a divergence is reported only
+    known = any(getattr(s, "folded", False) or getattr(s, "swapped", False) for s in sites or ())
+    if divergence is not None and half is None and not explicit and known:
         # neither logits rule can tell an error of the size of float32 rounding from rounding; the
         # localization's records (1e-5 relative at each point) can: it names a change where it starts
         beyond = (

@@ -149,9 +149,14 @@ def check_replaceable(out: Path, overwrite: bool) -> None:
             f"output path {out} exists and is not a directory; the converted checkpoint is a directory: "
             "choose another output path"
         )
-    if not overwrite:
-        raise NormswapError(f"output directory {out} already exists; pass overwrite=True to replace it")
     reason = not_replaceable(out)
+    if not overwrite:
+        if reason is None:  # empty, or normswap's own output
+            raise NormswapError(f"output directory {out} already exists; pass overwrite=True to replace it")
+        raise NormswapError(
+            f"output directory {out} already exists and {reason}; overwrite=True replaces only a directory "
+            "that normswap wrote or an empty one: choose another output directory"
+        )
     if reason is not None:
         raise NormswapError(
             f"output directory {out} {reason}; overwrite=True replaces only a directory that normswap "
