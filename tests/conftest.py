@@ -37,6 +37,25 @@ def make_tiny_model(model_type: str, *, dtype: torch.dtype = torch.float32, seed
     return tiny_zoo_model(model_type, seed=seed, **overrides).to(dtype)
 
 
+def hidden_outputs(model, ids):
+    """``model``'s forward on ``ids`` with every hidden state (no cache, no gradients)."""
+    with torch.no_grad():
+        return model(input_ids=ids, output_hidden_states=True, use_cache=False)
+
+
+def assert_rotated(before, after, q: torch.Tensor, centered: bool, tol: float) -> None:
+    """A rotation's independent check: the rotated model's logits (``after``, from ``hidden_outputs``) within
+    ``tol`` of the original's (``before``), and every hidden state before the final norm the original's
+    (minus its mean over the features, for a centered LayerNorm model) times ``q``, in float64, within
+    ``tol``."""
+    assert (before.logits - after.logits).abs().max().item() <= tol
+    for h0, h1 in zip(before.hidden_states[:-1], after.hidden_states[:-1], strict=True):
+        h0 = h0.double()
+        if centered:
+            h0 = h0 - h0.mean(-1, keepdim=True)
+        assert (h0 @ q - h1.double()).abs().max().item() <= tol
+
+
 @pytest.fixture
 def tiny_config():
     """Factory: ``tiny_config(model_type, **overrides)`` -> config."""

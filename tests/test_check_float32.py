@@ -153,7 +153,7 @@ def test_float64_pass_needs_the_localization_to_agree(ids, monkeypatch):
     monkeypatch.setattr(core, "localize", lambda *args, **kwargs: found)
     bad = run()
     assert not bad.passed and bad.rule == "float64 reference"
-    assert bad.float64_reference["localized"] == found["point"]
+    assert bad.localized == found["point"]
     assert any("model.layers.1.mlp.gate_proj:output differs beyond rounding" in f for f in bad.failures)
     assert "but model.layers.1.mlp.gate_proj:output differs beyond rounding" in verdict_line(bad.to_dict())
 
@@ -415,5 +415,5 @@ def test_smollm2_error_below_the_float64_bound_is_found_by_the_localization():
         loaded.model.model.layers[3].self_attn.q_proj.weight[0] *= 1.001
     result = compare(reference, loaded.model, ids, sites=report.sites, transform=stream_transform(report))
     assert not result.passed and result.divergence["layer"] == 3, result.summary()
-    if result.rule == "float64 reference" and result.float64_reference.get("localized"):
+    if result.rule == "float64 reference" and result.localized:
         assert any("differs beyond rounding" in f for f in result.failures)

@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import assert_rotated, hidden_outputs
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -36,11 +37,6 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
 
 
-def _hidden(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids, output_hidden_states=True, use_cache=False)
-
-
 @pytest.mark.parametrize("name,heads", [("llama", False), ("qwen2", True), ("gpt2", True), ("bloom", False)])
 def test_hidden_states_are_the_originals_times_q(name, heads):
     """Every hidden state before the final norm (the residual stream) of the rotated model is the original's
@@ -53,13 +49,8 @@ def test_hidden_states_are_the_originals_times_q(name, heads):
     q = rotation.Q
     centered = name in ("gpt2", "bloom")
     assert rotation.centered is centered and rotation.matrices["Q"].keeps_ones is centered
-    before, after = _hidden(reference, ids), _hidden(model, ids)
-    assert (before.logits - after.logits).abs().max().item() <= TOL
-    for h0, h1 in zip(before.hidden_states[:-1], after.hidden_states[:-1], strict=True):
-        h0 = h0.double()
-        if centered:
-            h0 = h0 - h0.mean(-1, keepdim=True)
-        assert (h0 @ q - h1.double()).abs().max().item() <= TOL
+    before, after = hidden_outputs(reference, ids), hidden_outputs(model, ids)
+    assert_rotated(before, after, q, centered, TOL)
     assert (before.hidden_states[1] - after.hidden_states[1]).abs().max().item() > 0.1  # it did rotate
 
 
@@ -79,8 +70,8 @@ def test_final_norm_output_is_unweighted_and_rotated():
     reference = reference_outputs(model, ids, sites=traced.sites)
     report = normswap.convert(model, rotate="hadamard", traced=traced)
     rotate_reference(reference, report.rotation)
-    want = (_hidden(original, ids).hidden_states[-1].double() / weight) @ report.rotation.Q
-    got = _hidden(model, ids).hidden_states[-1].double()
+    want = (hidden_outputs(original, ids).hidden_states[-1].double() / weight) @ report.rotation.Q
+    got = hidden_outputs(model, ids).hidden_states[-1].double()
     assert ((want - got).abs().max() / want.abs().max()).item() <= TOL
     result = compare(reference, model, ids, sites=report.sites, transform=stream_transform(report))
     last = [e for e in result.contract if e["output"] == f"hidden_states[{len(model.model.layers)}]"]
@@ -349,7 +340,7 @@ def test_cli_rotates_saves_q_and_reloads(tmp_path):
     fresh = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(fresh) is type(model)
     ids = example_ids()
-    before, after = _hidden(model, ids), _hidden(fresh, ids)
+    before, after = hidden_outputs(model, ids), hidden_outputs(fresh, ids)
     assert (before.logits - after.logits).abs().max().item() <= TOL
     for h0, h1 in zip(before.hidden_states[:-1], after.hidden_states[:-1], strict=True):
         h0 = h0.double() - h0.double().mean(-1, keepdim=True)
@@ -390,7 +381,7 @@ def test_smollm2_rotated_command(tmp_path):
     original = load_model("smollm2-135m")
     ids = default_input_ids(original.tokenizer, 64)
     fresh = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    before, after = _hidden(original.model, ids), _hidden(fresh, ids)
+    before, after = hidden_outputs(original.model, ids), hidden_outputs(fresh, ids)
     assert (before.logits - after.logits).abs().max().item() <= 2e-4  # the check's float32 tolerance
     worst = max(
         ((h0.double() @ q - h1.double()).abs().max() / h0.double().abs().max()).item()

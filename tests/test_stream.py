@@ -349,16 +349,20 @@ def test_shard_writer_reads_back_with_safetensors(tmp_path):
 @pytest.mark.slow  # CI time; the tiny models' tests cover the same kinds
 @pytest.mark.real
 def test_smollm2_safetensors_streamed_equals_in_memory(tmp_path):
+    memory, streamed = convert_both(smollm2_sharded(tmp_path / "src"), tmp_path)
+    assert_same_checkpoint(memory, streamed)
+
+
+def smollm2_sharded(folder: Path) -> Path:
+    """SmolLM2-135M (from its GGUF, float32) saved as safetensors shards of 200 MB in ``folder``; skips the
+    test when the model cannot be had (no network and no cache)."""
     from normswap.io import load_model
 
     try:
         loaded = load_model("smollm2-135m")
     except Exception as error:  # noqa: BLE001 - no network and no cache
         pytest.skip(f"smollm2-135m unavailable: {error}")
-    src = save_sharded(loaded.model, loaded.tokenizer, tmp_path / "src", shard="200MB")
-    del loaded
-    memory, streamed = convert_both(src, tmp_path)
-    assert_same_checkpoint(memory, streamed)
+    return save_sharded(loaded.model, loaded.tokenizer, folder, shard="200MB")
 
 
 def test_two_processes_write_the_same_bytes(tokenizer, tmp_path):

@@ -27,9 +27,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import assert_rotated, hidden_outputs, make_tiny_model
 from safetensors.torch import load_file
-from test_stream import TOKENS, assert_same_checkpoint, assert_verified, run, save_sharded, tokenizer  # noqa: F401
+from test_stream import (  # noqa: F401
+    TOKENS,
+    assert_same_checkpoint,
+    assert_verified,
+    run,
+    save_sharded,
+    smollm2_sharded,
+    tokenizer,
+)
 from transformers import AutoModelForCausalLM
 
 from normswap import memory
@@ -57,24 +65,13 @@ def _tree(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
 
 
-def _hidden(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids, output_hidden_states=True, use_cache=False)
-
-
-def assert_rotated(original, folder: Path) -> None:
+def assert_folder_rotated(original, folder: Path) -> None:
     """The independent check: ``folder`` (plain transformers) against the unconverted ``original``."""
     q = load_file(str(folder / ROTATION_FILE))["Q"]
     centered = json.loads((folder / "normswap.json").read_text())["rotation"]["centered"]
     fresh = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = example_ids()
-    before, after = _hidden(original, ids), _hidden(fresh, ids)
-    assert (before.logits - after.logits).abs().max().item() <= TOL
-    for h0, h1 in zip(before.hidden_states[:-1], after.hidden_states[:-1], strict=True):
-        h0 = h0.double()
-        if centered:
-            h0 = h0 - h0.mean(-1, keepdim=True)
-        assert (h0 @ q - h1.double()).abs().max().item() <= TOL
+    assert_rotated(hidden_outputs(original, ids), hidden_outputs(fresh, ids), q, centered, TOL)
 
 
 @pytest.mark.parametrize("name, args", ROWS, ids=[r[0] for r in ROWS])
@@ -99,7 +96,7 @@ def test_rotation_streamed_equals_in_memory(name, args, tokenizer, tmp_path):  #
     assert report["check"]["passed"] and report["check"]["divergence"] is None
     assert report["streamed"]["rotation_bytes"] >= 8 * 64 * 64  # Q in float64, at least
     assert _tree(src) == before  # the input is only read
-    assert_rotated(model, streamed)
+    assert_folder_rotated(model, streamed)
 
 
 def test_rotation_streams_when_memory_is_short(tokenizer, tmp_path, monkeypatch):  # noqa: F811
@@ -190,14 +187,7 @@ def test_two_processes_write_the_same_rotated_bytes(tokenizer, tmp_path):  # noq
 def test_smollm2_rotated_streamed_equals_in_memory(tmp_path):
     """SmolLM2-135M (as float32 safetensors) with --rotate hadamard, in memory and under --max-memory 100MB:
     every tensor, the Q file and the records bit for bit (benchmarks/bench_stream_rotate.py measures it)."""
-    from normswap.io import load_model
-
-    try:
-        loaded = load_model("smollm2-135m")
-    except Exception as error:  # noqa: BLE001 - no network and no cache
-        pytest.skip(f"smollm2-135m unavailable: {error}")
-    src = save_sharded(loaded.model, loaded.tokenizer, tmp_path / "src", shard="200MB")
-    del loaded
+    src = smollm2_sharded(tmp_path / "src")
     memory_out, streamed = tmp_path / "memory", tmp_path / "streamed"
     r = run("convert", src, "-o", memory_out, "--rotate", "hadamard")
     assert r.exit_code == 0, r.output

@@ -585,7 +585,7 @@ def compare(
             "converted": _metrics(kind, reference.upcast, conv, targets),
         }
     failures = judge(m, tol, half)
-    fixed_passed = not failures
+    logits_passed = not failures  # by the fixed bound, or (below) by the float64 reference
     rule, f64 = (FLOAT32 if half is not None else FIXED), None
     explicit = any(key in (tolerance or {}) for key in EXPLICIT_KEYS)
     nonfinite = m.get("nonfinite_ref") or m.get("nonfinite_conv")
@@ -599,7 +599,7 @@ def compare(
             f64 = float64_summary(orig64, conv64) | extra | {"fixed_bound_missed": list(failures)}
             missed = against_reference(orig64, conv64, FLOAT64_RULE, "float64")
             failures = failures + missed if missed else []
-            f64["failed"] = bool(missed)
+            logits_passed = not missed
     verdict = contract.CHANGED if failures else contract.SAME
     main = contract.OutputContract(kind, verdict, m["max_abs"], None, None)
     entries, broken = contract.judge(
@@ -621,22 +621,18 @@ def compare(
             transform=transform,
         )
     localized = None
-    # sites that describe the conversion (folded or swapped: convert's, a normswap output's manifest), as
-    # for the contract; without them (none, or the original's from inspect) a divergence is reported only
-    known = any(getattr(s, "folded", False) or getattr(s, "swapped", False) for s in sites or ())
-    if divergence is not None and half is None and not explicit and known:
-        # neither logits rule can tell an error of the size of float32 rounding from rounding; the
-        # localization's records (1e-5 relative at each point) can: it names a change where it starts
-        beyond = (
-            f"{divergence['point']} differs beyond rounding (relative error {divergence['rel_error']:.3g} > "
-            f"{divergence['threshold']:.3g}): a change the logits cannot tell from float32 rounding"
+    # neither logits rule can tell an error of the size of float32 rounding from rounding; the localization's
+    # records (1e-5 relative at each point) can, and name where it starts. As for the contract, without
+    # sites that describe the conversion a divergence is reported only.
+    gate = half is None and not explicit and logits_passed and contract.describes_conversion(sites)
+    if divergence is not None and gate:
+        localized = divergence["point"]
+        held = "the float64 reference passes" if rule == FLOAT64 else "the logits are within the fixed bound"
+        failures.append(
+            f"{held}, but {localized} differs beyond rounding (relative error "
+            f"{divergence['rel_error']:.3g} > {divergence['threshold']:.3g}): a change the logits cannot "
+            "tell from float32 rounding"
         )
-        if rule == FLOAT64 and not f64.get("failed"):
-            localized = f64["localized"] = divergence["point"]
-            failures.append(f"the float64 reference passes, but {beyond}")
-        elif rule == FIXED and fixed_passed:
-            localized = divergence["point"]
-            failures.append(f"the logits are within the fixed bound, but {beyond}")
     greedy = None
     if reference.greedy is not None:
         new = _greedy(converted_model, ids, reference.greedy.shape[1])

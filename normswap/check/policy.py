@@ -157,10 +157,10 @@ def fixed_bound_text(tol: dict, output_name: str = "logit") -> str:
     return ", ".join(parts)
 
 
-def float64_text(f64: dict) -> str:
+def float64_text(f64: dict, localized: str | None = None) -> str:
     """``float64_reference`` numbers in words: ``"error vs float64 0.00013 <= 2 x 0.00021 (the original's) +
     5e-05 = 0.00046, KL vs float64 1.1e-11 <= 2 x 1.1e-11 + 1e-10 = 1.2e-10"`` (``>`` where a bound is
-    exceeded), and the point the localization found where the bounds held."""
+    exceeded), and ``localized``, the point the localization found where the bounds held."""
 
     def op(value, bound) -> str:
         return "<=" if value <= bound else ">"
@@ -174,8 +174,8 @@ def float64_text(f64: dict) -> str:
             f", KL vs float64 {f64['kl_conv']:.2g} {op(f64['kl_conv'], f64['kl_bound'])} {f64['rule_k']:g} x "
             f"{f64['kl_orig']:.2g} + {f64['rule_kl_abs']:g} = {f64['kl_bound']:.2g}"
         )
-    if f64.get("localized"):
-        text += f", but {f64['localized']} differs beyond rounding"
+    if localized:
+        text += f", but {localized} differs beyond rounding"
     return text
 
 
@@ -200,7 +200,9 @@ def verdict_line(check: dict) -> str:
     if rule == FIXED and check.get("localized"):
         point = check["localized"]
         return f"FAILED by the localization: {point} differs beyond rounding (the {FIXED} held: {fixed})"
-    tried = f"{rule}: {fixed}" if rule != FLOAT64 else f"{FIXED}: {fixed}; {FLOAT64}: {float64_text(f64)}"
+    tried = f"{rule}: {fixed}"
+    if rule == FLOAT64:
+        tried = f"{FIXED}: {fixed}; {FLOAT64}: {float64_text(f64, check.get('localized'))}"
     if f64.get("unavailable"):
         tried += f"; no {FLOAT64}: {f64['unavailable']}"
     return f"FAILED ({tried})"
