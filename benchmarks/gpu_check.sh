@@ -62,7 +62,7 @@ AUTO_FREE=${AUTO_FREE:-4GiB}
 SWEEP_DTYPES=${SWEEP_DTYPES:-bfloat16}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 if [ "$SIZE" = tiny ]; then
-  TIMING=(--batch 2 --prefill 64 --decode 8 --rounds 2 --slack 100 --compiled --compile-backend eager)
+  TIMING=(--batch 2 --prefill 64 --decode 24 --rounds 3 --slack 100 --compiled --compile-backend eager)
   STREAM_BUDGET=${STREAM_BUDGET:-64KB}  # a dry run times nothing meaningful
 else
   TIMING=(--batch 8 --prefill 2048 --decode 32 --rounds 5 --compiled)
