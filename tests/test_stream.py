@@ -10,6 +10,9 @@ by the CLI's own logits check; the streamed output must hold the same tensor nam
 from __future__ import annotations
 
 import json
+import math
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +24,12 @@ from conftest import make_tiny_model, write_tiny_gguf
 from safetensors import safe_open
 
 from normswap.cli import main
+from normswap.errors import NormswapError
 from normswap.io import plain_float_checkpoint
 from normswap.stream import convert as stream_convert
 from normswap.stream.model import build, is_released
 from normswap.stream.records import DiskRecords
-from normswap.stream.shards import INDEX, CheckpointReader, ShardWriter
+from normswap.stream.shards import INDEX, CheckpointReader, ShardWriter, check_checkpoint
 
 TOKENS = "64"
 
@@ -180,15 +184,255 @@ def _one_error_line(result, *fragments):
         assert fragment in lines[0]
 
 
-def test_truncated_shard_is_one_line_exit_2(tokenizer, tmp_path):
-    src = save_sharded(make_tiny_model("llama"), tokenizer, tmp_path / "src")
-    shard = src / CheckpointReader(src).files[1]
-    data = shard.read_bytes()
-    shard.write_bytes(data[: len(data) - 100])
-    r = run("convert", src, "--output", tmp_path / "out", "--tokens", TOKENS, "--max-memory", "4KB")
-    _one_error_line(r, shard.name, "truncated")
-    assert not (tmp_path / "out").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+@pytest.fixture(scope="module")
+def multi_tensor_src(tokenizer, tmp_path_factory) -> tuple[Path, str]:
+    """A sharded tiny Llama, and its shard holding the most tensors."""
+    src = save_sharded(
+        make_tiny_model("llama"), tokenizer, tmp_path_factory.mktemp("corrupt") / "src", "100KB"
+    )
+    placed = list(json.loads((src / INDEX).read_text())["weight_map"].values())
+    shard = max(sorted(set(placed)), key=placed.count)
+    assert placed.count(shard) >= 3
+    return src, shard
+
+
+def _split(path: Path) -> tuple[int, dict, bytes]:
+    """A safetensors file's header length, parsed header and data (read here, not by normswap)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return n, json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def _rewrite(path: Path, header: dict, data: bytes) -> None:
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+
+
+def _by_offset(header: dict) -> list[str]:
+    return sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+
+
+REDOWNLOAD = "re-download the file (or save it again)"
+RECHECKPOINT = "re-download the checkpoint (its index and every shard)"
+
+
+def _shorter(folder, file):
+    path = folder / file
+    size = path.stat().st_size
+    path.write_bytes(path.read_bytes()[:-100])
+    return f"{path}: truncated: {size - 100} bytes, its header describes {size} (100 missing); {REDOWNLOAD}"
+
+
+def _longer(folder, file):
+    path = folder / file
+    size = path.stat().st_size
+    path.write_bytes(path.read_bytes() + bytes(16))
+    return (
+        f"{path}: 16 extra bytes after the last tensor ({size + 16} bytes, its header describes {size}): "
+        f"not a valid safetensors file; {REDOWNLOAD}"
+    )
+
+
+def _length_field(folder, file):
+    path = folder / file
+    raw = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", 10**9) + raw[8:])
+    return (
+        f"{path}: truncated or not a safetensors file: its header length field says 1000000000 bytes, "
+        f"the file has {len(raw) - 8} after it; {REDOWNLOAD}"
+    )
+
+
+def _not_json(folder, file):
+    path = folder / file
+    n, _, data = _split(path)
+    path.write_bytes(struct.pack("<Q", n) + b"x" * n + data)
+    return (
+        f"{path}: not a safetensors file: its {n}-byte header is not JSON (Expecting value: line 1 "
+        f"column 1 (char 0)); {REDOWNLOAD}"
+    )
+
+
+def _overlap(folder, file):
+    path = folder / file
+    _, header, data = _split(path)
+    first, second = _by_offset(header)[:2]
+    begin, end = header[second]["data_offsets"]
+    header[second]["data_offsets"] = [begin - 4, end - 4]
+    _rewrite(path, header, data)
+    return (
+        f"{path}: bad safetensors header: tensors {first} and {second} overlap (bytes "
+        f"{begin - 4}..{begin} of the data belong to both); {REDOWNLOAD}"
+    )
+
+
+def _reversed(folder, file):
+    path = folder / file
+    _, header, data = _split(path)
+    name = _by_offset(header)[0]
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [end, begin]
+    _rewrite(path, header, data)
+    return (
+        f"{path}: bad safetensors header: tensor {name} has data_offsets {[end, begin]}: its data ends "
+        f"before it begins; {REDOWNLOAD}"
+    )
+
+
+def _swapped(folder, file):
+    """Two tensors of different sizes given each other's byte ranges."""
+    path = folder / file
+    _, header, data = _split(path)
+    names = _by_offset(header)
+    a = next(k for k in names if header[k]["data_offsets"][1] - header[k]["data_offsets"][0] != 256)
+    b = next(k for k in names if header[k]["data_offsets"][1] - header[k]["data_offsets"][0] == 256)
+    header[a]["data_offsets"], header[b]["data_offsets"] = (
+        header[b]["data_offsets"],
+        header[a]["data_offsets"],
+    )
+    _rewrite(path, header, data)
+    first = next(k for k in header if k in (a, b))  # entries are checked in header order
+    spec = header[first]
+    size = 4 * math.prod(spec["shape"])
+    span = spec["data_offsets"][1] - spec["data_offsets"][0]
+    return (
+        f"{path}: bad safetensors header: tensor {first} is F32 {tuple(spec['shape'])} ({size} bytes) "
+        f"but its data_offsets {spec['data_offsets']} span {span} bytes; {REDOWNLOAD}"
+    )
+
+
+def _gap(folder, file):
+    """Every range moved 8 bytes on, 8 zero bytes in front: the data no longer starts with a tensor."""
+    path = folder / file
+    _, header, data = _split(path)
+    for name in _by_offset(header):
+        begin, end = header[name]["data_offsets"]
+        header[name]["data_offsets"] = [begin + 8, end + 8]
+    _rewrite(path, header, bytes(8) + data)
+    return (
+        f"{path}: bad safetensors header: bytes 0..8 of the data belong to no tensor (a gap before "
+        f"{_by_offset(header)[0]}); {REDOWNLOAD}"
+    )
+
+
+def _unknown_dtype(folder, file):
+    path = folder / file
+    _, header, data = _split(path)
+    name = _by_offset(header)[0]
+    header[name]["dtype"] = "F33"
+    _rewrite(path, header, data)
+    return (
+        f"{path}: bad safetensors header: tensor {name} has dtype 'F33', which the safetensors format "
+        f"does not define; {REDOWNLOAD}"
+    )
+
+
+def _missing_shard(folder, file):
+    (folder / file).unlink()
+    return f"{folder / INDEX}: names the shard {file}, which is not in {folder}; {RECHECKPOINT}"
+
+
+def _index_extra(folder, file):
+    index = json.loads((folder / INDEX).read_text())
+    index["weight_map"]["model.layers.9.extra.weight"] = file
+    (folder / INDEX).write_text(json.dumps(index))
+    return (
+        f"{folder / INDEX}: names tensor model.layers.9.extra.weight in {file}, which does not hold it, "
+        f"nor does any other shard; {RECHECKPOINT}"
+    )
+
+
+def _index_elsewhere(folder, file):
+    index = json.loads((folder / INDEX).read_text())
+    name = next(k for k, v in sorted(index["weight_map"].items()) if v != file)
+    other = index["weight_map"][name]
+    index["weight_map"][name] = file
+    (folder / INDEX).write_text(json.dumps(index))
+    return (
+        f"{folder / INDEX}: names tensor {name} in {file}, which does not hold it; it is in {other}; "
+        f"{RECHECKPOINT}"
+    )
+
+
+CORRUPTIONS = [
+    _shorter,
+    _longer,
+    _length_field,
+    _not_json,
+    _overlap,
+    _reversed,
+    _swapped,
+    _gap,
+    _unknown_dtype,
+    _missing_shard,
+    _index_extra,
+    _index_elsewhere,
+]
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__.strip("_"))
+def test_corrupt_checkpoint_is_one_exact_line_on_both_paths(corrupt, multi_tensor_src, tmp_path):
+    """The in-memory and the streamed path refuse a corrupt checkpoint with the same line (exit 2): the file,
+    what is wrong with it, what to do; nothing is written and the input is left as it was."""
+    src, shard = multi_tensor_src
+    folder = tmp_path / "src"
+    shutil.copytree(src, folder)
+    expected = corrupt(folder, shard)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for extra in ([], ["--max-memory", "4KB"]):
+        r = run("convert", folder, "--output", tmp_path / "out", "--tokens", TOKENS, *extra)
+        assert r.exit_code == 2, (extra, r.output)
+        assert r.stderr.strip().splitlines() == [f"normswap: error: {expected}"], extra
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    r = run("inspect", folder)  # every command that loads the model
+    assert r.exit_code == 2 and r.stderr.strip().splitlines() == [f"normswap: error: {expected}"]
+
+
+def _raw(header) -> bytes:
+    blob = json.dumps(header).encode()
+    return struct.pack("<Q", len(blob)) + blob
+
+
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        (b"\x10\x00", "not a safetensors file: 2 bytes, too short for the 8-byte header length"),
+        (_raw([1, 2]), "bad safetensors header: it is a JSON list, not an object"),
+        (_raw({"a": {"shape": [2], "data_offsets": [0, 8]}}),
+         "bad safetensors header: tensor a has no dtype"),
+        (_raw({"a": {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}}),
+         'bad safetensors header: tensor a has shape "2", not a list of sizes'),
+        (_raw({"a": {"dtype": "F32", "shape": [2]}}),
+         "bad safetensors header: tensor a has data_offsets null, not two byte offsets [begin, end]"),
+        (_raw({"a": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}) + bytes(2),
+         "bad safetensors header: tensor a is F4 (3,), which does not fill whole bytes"),
+    ],
+)  # fmt: skip
+def test_bad_header_entries_are_named(raw, problem, tmp_path):
+    """Each malformed part of a header is one line naming the file, the tensor and what is wrong with it."""
+    (tmp_path / "model.safetensors").write_bytes(raw)
+    with pytest.raises(NormswapError) as error:
+        check_checkpoint(tmp_path)
+    assert (
+        str(error.value)
+        == f"{tmp_path / 'model.safetensors'}: {problem}; re-download the file (or save it again)"
+    )
+
+
+def test_valid_checkpoint_of_every_format_dtype_passes(tmp_path):
+    """Dtypes the format defines but normswap does not stream are not corruption: the in-memory check
+    passes them; the streamed reader names the dtype."""
+    header = {"__metadata__": {"format": "pt"},
+              "a": {"dtype": "U16", "shape": [2, 3], "data_offsets": [0, 12]},
+              "b": {"dtype": "F4", "shape": [4], "data_offsets": [12, 14]}}  # fmt: skip
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(14))
+    check_checkpoint(tmp_path)
+    with pytest.raises(NormswapError, match=r"tensor a is stored as U16, a dtype normswap cannot read"):
+        CheckpointReader(tmp_path)
 
 
 @pytest.mark.parametrize("size", ["abc", "-1GB"])

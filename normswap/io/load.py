@@ -374,10 +374,19 @@ def load_weights(auto, resolved: Resolved, **kwargs) -> torch.nn.Module:
     mean the config describes another model. Used for every load of weights (``load_model``,
     ``load_pretrained``, evaluation with a ``device_map``).
 
+    A local directory's safetensors checkpoint is validated first from its headers and file sizes
+    (``normswap.stream.shards.check_checkpoint``), so a corrupt file gets the same precise line as on the
+    streamed path.
+
     Raises:
-        NormswapError: transformers cannot read the weights (see ``_load_failure``), or the checkpoint's
-            tensors do not match its config (one line naming them).
+        NormswapError: a corrupt safetensors checkpoint (the file, what is wrong, what to do), transformers
+            cannot read the weights (see ``_load_failure``), or the checkpoint's tensors do not match its
+            config (one line naming them).
     """
+    if resolved.kind == "dir" and not resolved.gguf_file:
+        from normswap.stream.shards import check_checkpoint
+
+        check_checkpoint(resolved.path)
     try:
         model, info = auto.from_pretrained(
             resolved.path, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
