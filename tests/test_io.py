@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import subprocess
 import threading
 import zipfile
@@ -340,10 +341,16 @@ def test_load_broken_gguf(damage, tiny_gguf):
 def test_load_corrupt_safetensors(tmp_path):
     make_tiny_model("llama").save_pretrained(tmp_path / "m")
     weights = tmp_path / "m" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:100])
-    with pytest.raises(NormswapError, match="cannot load the weights") as error:
+    raw = weights.read_bytes()
+    (header_bytes,) = struct.unpack("<Q", raw[:8])
+    weights.write_bytes(raw[:100])
+    with pytest.raises(NormswapError) as error:
         load_model(tmp_path / "m", tokenizer=False)
     _one_line(error)
+    assert str(error.value) == (  # the same line as the streamed reader's (tests/test_stream.py)
+        f"{weights}: truncated or not a safetensors file: its header length field says {header_bytes} bytes, "
+        "the file has 92 after it; re-download the file (or save it again)"
+    )
 
 
 def test_remote_code_is_not_run_without_consent(tmp_path):
