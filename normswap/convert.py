@@ -41,6 +41,9 @@ class ConvertReport:
         untied: qualified names of parameters given their own storage before folding.
         untie_bytes: extra bytes those copies cost.
         untouched: 2-D+ parameters no op used in the trace (listed for the user to judge).
+        probe_failures: norm candidates the probe could not characterize (module name -> why: a module that
+            normalizes like a norm on large inputs but that no eps reproduces, one that fails on a probe
+            input); not in ``sites``, left as they are.
         check: the check result (``CheckResult.to_dict()``) when the caller ran one.
         rotation: the residual-stream rotation (``normswap.rotate.Rotation``) when one was asked for.
         keep_hidden_states: whether the conversion kept every hidden state (``convert``'s option).
@@ -57,6 +60,7 @@ class ConvertReport:
     untied: list[str] = field(default_factory=list)
     untie_bytes: int = 0
     untouched: list[str] = field(default_factory=list)
+    probe_failures: dict[str, str] = field(default_factory=dict)
     check: dict[str, Any] | None = None
     rotation: Any = None
     keep_hidden_states: bool = False
@@ -73,6 +77,7 @@ class ConvertReport:
             "untied": list(self.untied),
             "untie_bytes": self.untie_bytes,
             "untouched": list(self.untouched),
+            "probe_failures": dict(self.probe_failures),
             "sites": [s.to_dict() for s in self.sites],
             "keep_hidden_states": self.keep_hidden_states,
             "centering": self.centering,
@@ -353,7 +358,8 @@ def convert(
             not_centered = getattr(error, "what", None) or str(error)
     report = ConvertReport(
         model=_model_name(model), norm=norm, norms_found=len(result.sites), norms_folded=0, norms_swapped=0,
-        sites=result.sites, untouched=result.untouched, keep_hidden_states=keep_hidden_states,
+        sites=result.sites, untouched=result.untouched, probe_failures=dict(result.probe_failures),
+        keep_hidden_states=keep_hidden_states,
     )  # fmt: skip
     if fold:
         folding = plan(model, result, untie=untie)

@@ -5,11 +5,24 @@ A module is a norm if, on inputs shaped like the ones it saw in the model, its o
     rmsnorm:   y = x / sqrt(mean(x**2) + eps) * (offset + w)            (Zhang & Sennrich, 2019)
     layernorm: y = (x - mean(x)) / sqrt(var(x) + eps) * (offset + w) + b  (Ba et al., 2016)
 
-over the last axis, with ``w`` and ``b`` among its own parameters. Nothing here reads class names, attribute
-names or the config: the kind comes from shift invariance, the role of each parameter from how the output
-moves when it is perturbed, the offset and eps from fitting the outputs. All probing runs on float64 (and
-bfloat16) CPU copies of the module, so the model is never touched and the result does not depend on the
-device the model lives on (a norm module is small: the copy costs a few KiB).
+over the last axis, with ``w`` and ``b`` among its own parameters, for any ``eps >= 0``. Nothing here reads
+class names, attribute names or the config. No step assumes eps small (scale invariance holds only where the
+mean square is far above eps):
+
+* structure: a norm is odd about its bias (``y(x) + y(-x) = 2 b``, the same for every row) and scales each
+  row of ``y - b`` by a factor ``lam`` in ``[1, 4)`` when its input is multiplied by 4 (1 for eps = 0,
+  towards 4 as eps dominates); ``lam`` also gives a first eps, which sets the input scale of the steps below;
+* kind: mean-shift invariance (exact for a LayerNorm whatever its eps);
+* roles: perturbing the scale moves each row by ``s * delta * x`` (``s = 1 / sqrt(ms + eps)`` per row),
+  the bias by ``delta``; offset from ``y - b = s * x * (offset + w)``;
+* eps: measured on inputs whose mean square sweeps past eps (and then equals it);
+* verification: the fitted norm (kind, eps, weight, offset, bias) must reproduce the module on fresh inputs
+  within ``_FIT_RTOL``: far above eps (else the module is no norm), and at mean squares 1, eps and 10 eps.
+  A module that is the fitted norm far above eps but that no eps reproduces near it raises ``ProbeError``
+  (the walk lists it as a candidate it could not characterize, with the error).
+
+All probing runs on float64 (and bfloat16) CPU copies of the module, so the model is never touched and the
+result does not depend on the device the model lives on (a norm module is small: the copy costs a few KiB).
 """
 
 from __future__ import annotations
@@ -27,6 +40,17 @@ from normswap.sites import NormSite
 # Relative tolerance of the structural tests. Probing runs in float64 where the module lets it; modules that
 # upcast to float32 internally (most HF norms) still agree with the float64 formula to ~1e-6 relative.
 _RTOL = 1e-4
+# Relative tolerance (to the largest output) of the final fit. The fitted norm is evaluated in float64
+# (rounding ~1e-15); the module's float64 copy computes in float64, or in float32 where it upcasts (HF's
+# norms): a few float32 roundings of 6e-8 each, measured at most 2.0e-7 over the 479 norms of the zoo's 70
+# rows; the measured eps is good to ~1e-7 relative, which moves the output by half that. 1e-5 leaves a
+# margin of 50 over float32 and fails any other map by orders of magnitude (another kind, an eps off by
+# 1e-4, a nonlinearity).
+_FIT_RTOL = 1e-5
+# A row of y - b grown by more than 4 * (1 - _LINEAR) when the input is multiplied by 4 is linear: a norm
+# whose eps exceeds ~7.5e6 times the probe input's mean square (about 10) is a constant scale on any input
+# a model feeds it, and is not treated as a norm.
+_LINEAR = 1e-6
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = _RTOL) -> bool:
@@ -34,12 +58,23 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = _RTOL) -> bool:
     return bool((a - b).abs().max().item() <= rtol * scale)
 
 
-def _normalize(x: torch.Tensor, kind: str, eps: float = 0.0) -> torch.Tensor:
-    """float64 reference normalization over the last axis."""
+def _near(a: torch.Tensor, b: torch.Tensor, scale: float, rtol: float = _RTOL) -> bool:
+    """``|a - b| <= rtol * scale`` everywhere (``scale``: the size of the output the difference is in)."""
+    return bool((a - b).abs().max().item() <= rtol * max(scale, 1e-300))
+
+
+def _rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Dot products of ``a`` and ``b`` over the last axis, kept as a trailing axis of size 1."""
+    return (a * b).sum(-1, keepdim=True)
+
+
+def _center(x: torch.Tensor, kind: str) -> torch.Tensor:
     x = x.double()
-    if kind == "layernorm":
-        x = x - x.mean(-1, keepdim=True)
-    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x - x.mean(-1, keepdim=True) if kind == "layernorm" else x
+
+
+def _ms(x: torch.Tensor) -> torch.Tensor:
+    return x.pow(2).mean(-1, keepdim=True)
 
 
 _SPAN = 4  # longest axis of a probe input outside its leading two and the module's parameter axes
@@ -111,9 +146,56 @@ def _run(module: nn.Module, x: torch.Tensor, strict: bool = False) -> torch.Tens
     return y.double()
 
 
-def _roles(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: torch.Tensor, gen: torch.Generator):
-    """Perturb each parameter/buffer of ``module`` (a float64 copy) and classify it as scale or bias."""
-    scale = bias = None
+def _structure(module: nn.Module, x: torch.Tensor, y: torch.Tensor, keep: int):
+    """What every norm does whatever its eps, from ``y = module(x)``, ``module(-x)`` and ``module(4 x)``.
+
+    A norm is odd about its bias: ``y(x) + y(-x) = 2 b``, the same on every row (``b`` spans the trailing
+    ``keep`` axes, the parameters' own). Multiplying the input by 4 multiplies each row of ``y - b`` by
+    ``lam = 4 sqrt((ms + eps) / (16 ms + eps))``, in ``[1, 4)``: 1 for eps = 0, near 4 where eps dominates
+    the mean square ``ms``. Returns ``(b, lam)`` (``b`` of the trailing shape, ``lam`` one per row), or None
+    when the module does not behave so, or grows every row by 4 (a linear map, see ``_LINEAR``).
+    """
+    neg = _run(module, -x)
+    if neg is None:
+        return None
+    size = y.abs().max().item()
+    mid = (y + neg) / 2
+    tail = mid.shape[mid.ndim - keep :]
+    b = mid.reshape(-1, *tail).mean(0)
+    if not _near(mid, b.expand_as(mid), size):
+        return None
+    up = _run(module, x * 4.0)
+    if up is None:
+        return None
+    low, high = y - b, up - b
+    den = _rows(low, low)
+    if not bool((den > 0).all()):
+        return None
+    lam = _rows(high, low) / den
+    if not _near(high, lam * low, up.abs().max().item()):
+        return None
+    if not bool((lam >= 1.0 - _RTOL).all()) or bool((lam >= 4.0 * (1.0 - _LINEAR)).all()):
+        return None
+    return b, lam
+
+
+def _eps_from_growth(lam: torch.Tensor, ms: torch.Tensor) -> float:
+    """A first eps from ``_structure``'s ``lam`` on rows of mean square ``ms``: solving
+    ``lam**2 / 16 = (ms + eps) / (16 ms + eps)`` gives ``eps = 16 ms (lam**2 - 1) / (16 - lam**2)``.
+    Rough where eps is far below ``ms`` (then ~0) or far above it; enough to choose an input scale."""
+    lam2 = lam.pow(2).clamp(1.0, 16.0 * (1.0 - _LINEAR))
+    return max(0.0, (16.0 * ms * (lam2 - 1.0) / (16.0 - lam2)).median().item())
+
+
+def _roles(module: nn.Module, x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, gen: torch.Generator):
+    """Perturb each parameter/buffer of ``module`` (a float64 copy) and classify it as scale or bias.
+
+    ``c`` is the input the norm divides (``x``, centered for a LayerNorm). Moving a bias by ``delta`` moves
+    the output by ``delta``; moving the scale by ``delta`` moves each row by ``s * delta * c``, ``s`` one
+    positive factor per row (``1 / sqrt(ms + eps)``, fitted here, so no eps is assumed). Returns
+    ``(scale name, bias name, s)`` (``s`` None without a scale), or None for a tensor of any other role.
+    """
+    scale = bias = s = None
     named = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
     for name, t in named:
         saved = t.data.clone()
@@ -130,53 +212,71 @@ def _roles(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: torch.Tensor,
         if moved is None:
             return None
         dy = moved - y
-        if _close(dy, delta * n, rtol=1e-3):
-            if scale is not None:
-                return None
-            scale = name
-        elif _close(dy, delta.expand_as(dy), rtol=1e-3):
+        dc = delta.double() * c
+        den = _rows(dc, dc)
+        factor = _rows(dy, dc) / den.clamp_min(1e-300)
+        if _close(dy, delta.expand_as(dy), rtol=1e-3):
             if bias is not None:
                 return None
             bias = name
+        elif bool((den > 0).all()) and bool((factor > 0).all()) and _close(dy, factor * dc, rtol=1e-3):
+            if scale is not None:
+                return None
+            scale, s = name, factor
         else:  # a tensor that changes the output in any other way: not a plain norm
             return None
-    return scale, bias
+    return scale, bias, s
 
 
 def _measure_eps(module: nn.Module, n: torch.Tensor, w: torch.Tensor, b: torch.Tensor, kind: str = "rmsnorm",
-                 dtype: torch.dtype = torch.float64) -> float:  # fmt: skip
+                 dtype: torch.dtype = torch.float64, guess: float = 0.0) -> float:  # fmt: skip
     """Find the eps the module really adds to the mean square (or variance), fed inputs of ``dtype``.
 
-    Feeding ``x = t * n`` (rows of mean square ``t**2``, zero mean for LayerNorm) gives
+    Feeding ``x = t * n`` (``n``: rows of mean square 1, zero mean for LayerNorm) gives
     ``y - b = w * x / sqrt(ms(x) + eps)``; the ratio ``rho = sqrt(ms / (ms + eps))`` is best conditioned
-    where ``ms`` is near eps, so sweep ``t**2`` over 1 .. 1e-16 and keep the estimate with rho closest to
-    1/sqrt(2). ``x`` is rounded to ``dtype`` first, and ``ms`` and the eps-free normalization are taken from
-    the rounded input (in float64), so a half-precision measurement is unbiased; its rounding noise averages
-    over the probe's elements (measured: within 1% in bfloat16).
+    where ``ms`` is near eps, so sweep ``t**2`` down by decades, from 1 (or from above ``guess``, a first
+    eps, when that is larger) to 1e-16, keep the estimate with rho closest to 1/sqrt(2), and measure once
+    more at ``ms`` equal to it. ``x`` is rounded to ``dtype`` first, and ``ms`` and the eps-free
+    normalization are taken from the rounded input (in float64), so a half-precision measurement is
+    unbiased; its rounding noise averages over the probe's elements (measured: within 1% in bfloat16).
+    Returns 0.0 when no input shows an eps (eps 0, or below what ``dtype`` resolves).
     """
-    best, best_gap = 0.0, math.inf
-    for k in range(0, 17):
-        t = 10.0 ** (-k / 2)
+
+    def estimate(t: float) -> tuple[float, float] | None:
         x = (n * t).to(dtype)
         y = _run(module, x)
         if y is None:
-            break
+            return None
         xd = x.double()
         if kind == "layernorm":
             xd = xd - xd.mean(-1, keepdim=True)
-        ms = xd.pow(2).mean(-1, keepdim=True)
+        ms = _ms(xd)
         if not bool((ms > 0).all()):
-            break  # the input underflowed in this dtype
+            return math.nan, 0.0  # the input underflowed in this dtype
         u = w * xd / ms.sqrt()
         rho = ((y - b) * u).sum().item() / u.pow(2).sum().item()
         if not 0.0 < rho <= 1.0 + 1e-9:
+            return None
+        return rho, ms.mean().item() * (1.0 / (rho * rho) - 1.0)
+
+    top = max(0, math.ceil(math.log10(4.0 * guess))) if guess > 0.25 else 0
+    best, best_gap = 0.0, math.inf
+    for k in range(-top, 17):
+        got = estimate(10.0 ** (-k / 2))
+        if got is None:
             continue
+        rho, eps = got
+        if math.isnan(rho):
+            break
         gap = abs(rho - 2**-0.5)
         if gap < best_gap and rho < 0.999:
-            best_gap = gap
-            best = ms.mean().item() * (1.0 / (rho * rho) - 1.0)
+            best, best_gap = eps, gap
         if rho < 0.2:  # past the well-conditioned range: eps dominates from here on
             break
+    if best > 0.0:  # once more where ms equals the estimate: rho = 1/sqrt(2), the best conditioning
+        got = estimate(math.sqrt(best))
+        if got is not None and not math.isnan(got[0]) and 0.2 <= got[0] < 0.999:
+            best = got[1]
     return best
 
 
@@ -192,6 +292,44 @@ def _snap_eps(estimate: float, module: nn.Module) -> float:
         if value > 0 and abs(value - estimate) <= 0.02 * estimate:
             return value
     return float(f"{estimate:.2e}")
+
+
+def _eps_candidates(estimate: float, module: nn.Module) -> list[float]:
+    """The values the eps measured as ``estimate`` may be, in order of preference: what ``_snap_eps``
+    gives (a float attribute of the module or a machine epsilon within 2%), the shortest decimal within
+    1e-6 of it (the measurement's precision where the module computes in float32: ~1e-7), itself."""
+    if estimate <= 0.0:
+        return [0.0]
+    values = [_snap_eps(estimate, module)]
+    for digits in range(17):
+        value = float(f"{estimate:.{digits}e}")
+        if abs(value - estimate) <= 1e-6 * estimate:
+            values.append(value)
+            break
+    values.append(estimate)
+    return list(dict.fromkeys(values))
+
+
+def _fit_error(module: nn.Module, kind: str, v: torch.Tensor, b: torch.Tensor, eps: float,
+               shape: tuple[int, ...], targets: list[float]) -> float:  # fmt: skip
+    """Largest difference, relative to the largest output, between ``module`` and the fitted norm
+    ``v * c / sqrt(mean(c**2) + eps) + b`` (``c``: the input, centered for a LayerNorm; float64) on fresh
+    inputs (rows with non-zero means) of each mean square in ``targets``. ``inf`` when the module fails on
+    one."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    z = torch.randn(shape, generator=gen, dtype=torch.float64, device="cpu") * 3
+    z = z + 2 * torch.randn((*shape[:-1], 1), generator=gen, dtype=torch.float64, device="cpu")
+    base = _ms(_center(z, kind)).mean().item()
+    worst = 0.0
+    for target in targets:
+        x = z * math.sqrt(target / base)
+        y = _run(module, x)
+        if y is None:
+            return math.inf
+        c = _center(x, kind)
+        fit = v * c / (_ms(c) + eps).sqrt() + b
+        worst = max(worst, (y - fit).abs().max().item() / max(y.abs().max().item(), 1e-300))
+    return worst
 
 
 def _in_dtypes(probe: nn.Module, module: nn.Module) -> nn.Module:
@@ -321,14 +459,17 @@ def probe_module(
 
     Returns:
         A ``NormSite`` (consumers empty, not yet foldable) or ``None`` if the module is not a norm over the
-        last axis with at most a scale and a bias parameter. A norm whose parameters hold NaN or inf is
-        probed with those entries replaced by finite ones (``_finite_copy``), so it is still found.
+        last axis with at most a scale and a bias parameter. Any eps >= 0 is measured (up to ~7.5e7, where
+        the norm is a constant scale on every input a model feeds it, see ``_LINEAR``). A norm whose
+        parameters hold NaN or inf is probed with those entries replaced by finite ones (``_finite_copy``),
+        so it is still found.
 
     Raises:
         ProbeError: a candidate (a leaf whose tensors broadcast over its input) whose float64 CPU copy
             cannot be made (an offloaded tensor without a value) or raises on a float64 CPU input of every
             shape ``_probe_shapes`` gives (the model's trailing axes): whether it is a norm is unknown, so
-            the caller must say so.
+            the caller must say so; or a module that is an RMSNorm or LayerNorm far above its eps but that
+            no eps reproduces near it (``x / (rms(x) + eps)``, say): a norm that cannot be characterized.
     """
     if not is_candidate(module, input_shape):
         return None
@@ -352,29 +493,61 @@ def probe_module(
                 raise
     if y is None:
         return None
-    scaled = _run(probe, x * 4.0)
-    if scaled is None or not _close(scaled, y):
+    tensors = [*probe.parameters(recurse=False), *probe.buffers(recurse=False)]
+    found = _structure(probe, x, y, max([t.ndim for t in tensors] + [1]))
+    if found is None:
         return None
+    hidden_bias, growth = found
     shifted = _run(probe, x + 7.0 * torch.randn((*shape[:-1], 1), **cpu64))
     kind = "layernorm" if shifted is not None and _close(shifted, y) else "rmsnorm"
-    n = _normalize(x, kind)
-    roles = _roles(probe, x, y, n, gen)
+    c = _center(x, kind)
+    ms = _ms(c)
+    guess = _eps_from_growth(growth, ms)
+    if guess > ms.mean().item() / 4:  # eps dominates at this scale: probe where the mean square is 4 eps
+        t = math.sqrt(4.0 * guess / ms.mean().item())
+        x, c, ms = x * t, c * t, ms * (t * t)
+        y = _run(probe, x)
+        if y is None:
+            return None
+    roles = _roles(probe, x, y, c, gen)
     if roles is None:
         return None
-    scale_name, bias_name = roles
+    scale_name, bias_name, factor = roles
     zero = torch.zeros((), dtype=torch.float64, device="cpu")
     w = getattr(probe, scale_name).double() if scale_name else zero
     b = getattr(probe, bias_name).double() if bias_name else zero
-    # offset: y - b = (offset + w) * n, read where |n| is well away from 0.
-    mask = n.abs() > 0.5
-    offset = (((y - b) / n - w)[mask]).median().item()
+    if bias_name is None and not _near(hidden_bias, zero, y.abs().max().item()):
+        return None  # a constant shift held by no tensor: not a norm we can reproduce
+    if factor is None:  # parameter-free: the row factor from the first eps (exact enough for the offset)
+        factor = 1.0 / (ms + guess).sqrt()
+    # offset: y - b = (offset + w) * factor * c, read where |c| is well away from 0.
+    mask = c.abs() > 0.5 * ms.sqrt()
+    offset = (((y - b) / (factor * c) - w)[mask]).median().item()
     if abs(offset - round(offset)) < 1e-4:
         offset = float(round(offset))
     if scale_name is None and offset != 1.0:
         return None  # a parameter-free map with a hidden constant scale is not a norm we can reproduce
-    if not _close((offset + w) * n + b, y, rtol=1e-4):
+    n = c / ms.sqrt()  # rows of mean square 1 (and zero mean for a LayerNorm)
+    measured = _measure_eps(probe, n, offset + w, b, kind, guess=guess)
+    # Far above eps (mean square 1e12 eps, where eps moves the output by 5e-13) the module must be the fitted
+    # norm, or it is no norm at all; near eps (mean squares eps and 10 eps, and 1) the fit must hold for one
+    # of the candidate values. 1e12: a constant c added outside the square root (x / (rms + c)) measures as an
+    # eps of at least c**2 ((rms + c)**2 >= ms + c**2), so it moves the output by c / rms <= 1e-6 there,
+    # below the tolerance: such a module is a norm that no eps reproduces (``ProbeError``), not silently none.
+    if _fit_error(probe, kind, offset + w, b, measured, shape, [max(1.0, 1e12 * measured)]) > _FIT_RTOL:
         return None
-    eps = _snap_eps(_measure_eps(probe, n, offset + w, b, kind), module)
+    near = [1.0, *((measured, 10 * measured) if measured > 0 else (1e-4, 1e4))]
+    error = math.inf
+    for eps in _eps_candidates(measured, module):
+        error = _fit_error(probe, kind, offset + w, b, eps, shape, near)
+        if error <= _FIT_RTOL:
+            break
+    else:
+        raise ProbeError(
+            f"a {kind} over its last axis on large inputs, but no eps reproduces it near its eps: with the "
+            f"measured eps {measured:.6g} its output is off by {error:.1e} of its size (tolerance "
+            f"{_FIT_RTOL:g})"
+        )
     run_dtype = input_dtype or (getattr(module, scale_name).dtype if scale_name else torch.float32)
     if scale_name is None:
         offset = 0.0  # parameter-free: y = n, recorded as the w convention with no w

@@ -298,3 +298,280 @@ def test_a_module_that_needs_its_axis_length_is_probed_at_it():
     site, seen = _probed_shapes(_randomized(FixedLength()), (1, 3, 64, D))
     assert (site.kind, site.weight, site.eps) == ("rmsnorm", "weight", 1e-6)
     assert seen[0] == (2, 4, 4, D) and all(s == (2, 4, 64, D) for s in seen[1:])
+
+
+# -- any eps: measured, not assumed small ----------------------------------------------------------------
+
+
+class HandNorm(nn.Module):
+    """An RMS or LayerNorm written out, its eps held where the probe cannot read it (a tuple), so the eps
+    reported is the one measured."""
+
+    def __init__(self, eps, layer=False, d=D):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(d))
+        self.h = nn.Parameter(torch.zeros(d)) if layer else None
+        self.hidden = (eps, layer)
+
+    def forward(self, x):
+        eps, layer = self.hidden
+        if layer:
+            x = x - x.mean(-1, keepdim=True)
+        y = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * self.g
+        return y + self.h if layer else y
+
+
+def _hf_norm(name):
+    def make(eps):
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        return {"llama": LlamaRMSNorm, "gemma": GemmaRMSNorm}[name](D, eps=eps)
+
+    return make
+
+
+# maker, (kind, weight, bias, offset)
+NORMS = {
+    "hand-rms": (lambda eps: HandNorm(eps), ("rmsnorm", "g", None, 0.0)),
+    "hand-layer": (lambda eps: HandNorm(eps, layer=True), ("layernorm", "g", "h", 0.0)),
+    "nn.LayerNorm": (lambda eps: nn.LayerNorm(D, eps=eps), ("layernorm", "weight", "bias", 0.0)),
+    "nn.RMSNorm": (lambda eps: nn.RMSNorm(D, eps=eps), ("rmsnorm", "weight", None, 0.0)),
+    "LlamaRMSNorm": (_hf_norm("llama"), ("rmsnorm", "weight", None, 0.0)),  # normalizes in float32
+    "GemmaRMSNorm": (_hf_norm("gemma"), ("rmsnorm", "weight", None, 1.0)),  # (1 + w), float32
+}
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-12, 1e-6, 2.5e-3, 1e-2, 0.3, 1.0, 10.0])
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_eps_of_any_size_is_measured(norm, eps):
+    """A norm is found whatever its eps, and its eps measured: equal to the one it adds within 1e-6 relative
+    (the measurement's precision where the module normalizes in float32 is ~1e-7)."""
+    make, expected = NORMS[norm]
+    site = probe_module(_randomized(make(eps)), (2, 8, D), "m")
+    assert site is not None
+    assert (site.kind, site.weight, site.bias, site.offset) == expected
+    assert site.eps == pytest.approx(eps, rel=1e-6, abs=0.0)
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-2, 0.3, 1.0])
+def test_cast_order_in_bfloat16_whatever_eps(eps):
+    """In bfloat16 Llama casts the normalized input before its weight multiply, Gemma multiplies in float32
+    (transformers' source): the probe tells them apart bit for bit, large eps or not."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    for cls, order in ((LlamaRMSNorm, "llama"), (GemmaRMSNorm, "fp32")):
+        module = _randomized(cls(D, eps=eps)).to(torch.bfloat16)
+        site = probe_module(module, (2, 8, D), "m", torch.bfloat16)
+        assert (site.cast_order, site.eps) == (order, eps)
+
+
+class Elementwise(nn.Module):
+    """``fn(self, x)``, with an optional per-feature ``w`` (in [0.5, 1.5]) and ``b``."""
+
+    def __init__(self, fn, w=False, b=False, d=D):
+        super().__init__()
+        self.fn = fn
+        self.w = nn.Parameter(torch.rand(d) + 0.5) if w else None
+        self.b = nn.Parameter(torch.rand(d) - 0.5) if b else None
+
+    def forward(self, x):
+        return self.fn(self, x)
+
+
+def _ms(x):
+    return x.pow(2).mean(-1, keepdim=True)
+
+
+NOT_NORMS = {
+    "identity": Elementwise(lambda m, x: x),
+    "dropout": nn.Dropout(0.1).eval(),
+    "twice": Elementwise(lambda m, x: 2 * x),
+    "per-feature affine": Elementwise(lambda m, x: x * m.w + m.b, w=True, b=True),
+    "linear": nn.Linear(D, D),
+    "gelu": nn.GELU(),
+    "tanh": nn.Tanh(),
+    "sign": Elementwise(lambda m, x: torch.sign(x)),
+    "x/(|x|+c)": Elementwise(lambda m, x: x / (x.abs() + 0.3)),
+    "scaled softmax": Elementwise(lambda m, x: torch.softmax(x * 0.25, -1) * D),
+    "x/(max|x|+c)": Elementwise(lambda m, x: x / (x.abs().amax(-1, keepdim=True) + 0.3) * m.w, w=True),
+    "x/(mean|x|+c)": Elementwise(lambda m, x: x / (x.abs().mean(-1, keepdim=True) + 0.3) * m.w, w=True),
+    "x/(ms+c)": Elementwise(lambda m, x: x / (_ms(x) + 0.3) * m.w, w=True),
+    "tanh of a norm": Elementwise(lambda m, x: torch.tanh(x / torch.sqrt(_ms(x) + 0.3)) * m.w, w=True),
+    "x*ms": Elementwise(lambda m, x: x * _ms(x)),
+    "std norm (unbiased)": Elementwise(
+        lambda m, x: (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + 0.3) * m.w, w=True
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_NORMS))
+def test_maps_that_are_no_norms_are_not_taken(name):
+    """Odd maps, maps linear in their input, per-row rescalings by another statistic than the RMS: none is
+    a norm, whatever eps would be fitted to them."""
+    assert probe_module(NOT_NORMS[name], (2, 8, D), "m") is None
+
+
+@pytest.mark.parametrize("c", [1e-6, 0.3])
+def test_a_norm_no_eps_reproduces_is_reported(c):
+    """``x / (rms(x) + c) * w`` is an RMSNorm far above c but no eps reproduces it near c: the probe says so
+    (the walk lists it among its probe failures) instead of leaving it out without a word."""
+    from normswap.probe import ProbeError
+    from normswap.walk import walk
+
+    module = Elementwise(lambda m, x: x / (_ms(x).sqrt() + c) * m.w, w=True)
+    with pytest.raises(
+        ProbeError, match=r"^a rmsnorm over its last axis on large inputs, but no eps reproduces"
+    ):
+        probe_module(module, (2, 8, D), "m")
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.pre, self.odd = (
+                nn.Embedding(128, D),
+                _randomized(nn.RMSNorm(D, eps=1e-6)),
+                module,
+            )
+            self.mid, self.head = nn.Linear(D, D), nn.Linear(D, 128)
+
+        def forward(self, input_ids, **_):
+            return self.head(self.odd(self.mid(self.pre(self.embed(input_ids)))))
+
+    model = Model().eval()
+    traced = walk(model)
+    assert [s.name for s in traced.sites] == ["pre"] and list(traced.probe_failures) == ["odd"]
+    assert "no eps reproduces it near its eps" in traced.probe_failures["odd"]
+    report = normswap.convert(model)  # listed in the report too, left as it was
+    assert report.to_dict()["probe_failures"] == traced.probe_failures
+    assert model.odd is module
+
+
+# -- whole models with large eps: every norm found, measured, folded -----------------------------------
+
+
+class EpsRMSNorm(nn.Module):
+    """A hand-written RMSNorm with its own eps."""
+
+    def __init__(self, width, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class EpsBlock(nn.Module):
+    def __init__(self, width, eps):
+        super().__init__()
+        self.norm = EpsRMSNorm(width, eps)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class EpsLM(nn.Module):
+    """Five pre-norm blocks whose norms have the given eps, a final norm (eps 1e-6), a head."""
+
+    def __init__(self, eps, width=32):
+        super().__init__()
+        self.embed = nn.Embedding(128, width)
+        self.blocks = nn.ModuleList(EpsBlock(width, e) for e in eps)
+        self.final = EpsRMSNorm(width, 1e-6)
+        self.head = nn.Linear(width, 128, bias=False)
+
+    def forward(self, input_ids, **_):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final(x))
+
+
+@torch.no_grad()
+def _randomize_parameters(model, norm_params, base):
+    """Every parameter ``norm_params`` names: ``base(name) + U(-0.5, 0.5)`` (chosen by name, here in the
+    test, not found by normswap)."""
+    gen = torch.Generator().manual_seed(11)
+    for name in norm_params:
+        p = model.get_parameter(name)
+        p.copy_(base(name) + torch.rand(p.shape, generator=gen) - 0.5)
+
+
+def _assert_every_norm_found_and_folded(model, norms: dict[str, float], unfolded=None):
+    """``norms``: module name -> the eps it adds. All found by ``inspect`` and by ``convert``, eps within 1e-6
+    relative, every one folded but those of ``unfolded`` (name -> the reason, as at a small eps), the
+    converted model's logits within 1e-5 of the original's (float32: a fold changes them by rounding only,
+    ~1e-7 here; a norm left out or a wrong eps moves them by 1e-3 or more)."""
+    unfolded = unfolded or {}
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        before = _logits(model, ids)
+    listed = {s.name: s.eps for s in normswap.inspect(model)}
+    assert listed.keys() == norms.keys()
+    reference = copy.deepcopy(model)
+    report = normswap.convert(model)
+    found = {s.name: s for s in report.sites}
+    assert found.keys() == norms.keys()
+    for name, eps in norms.items():
+        assert found[name].eps == pytest.approx(eps, rel=1e-6, abs=0.0), name
+        assert listed[name] == found[name].eps
+        assert (found[name].folded, found[name].reason) == (name not in unfolded, unfolded.get(name)), name
+    with torch.no_grad():
+        assert (_logits(reference, ids) - before).abs().max().item() == 0.0
+        assert (_logits(model, ids) - before).abs().max().item() <= 1e-5
+
+
+def _logits(model, ids):
+    out = model(input_ids=ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def test_custom_model_with_large_eps_in_two_layers():
+    """eps 0.3 and 2.5e-3 in two of five blocks: both were missing from inspect and the report."""
+    eps = [1e-6, 0.3, 1e-6, 2.5e-3, 1e-6]
+    torch.manual_seed(0)
+    model = EpsLM(eps).eval()
+    params = [n for n, _ in model.named_parameters() if "norm" in n or n.startswith("final")]
+    _randomize_parameters(model, params, lambda name: 1.0)
+    norms = {f"blocks.{i}.norm": e for i, e in enumerate(eps)} | {"final": 1e-6}
+    _assert_every_norm_found_and_folded(model, norms)
+
+
+def _hf(model_type, norm_word, base, **config):
+    """A tiny transformers model of ``model_type`` (config as the zoo's, with ``config``), its norm parameters
+    (names holding ``norm_word``) set to ``base(name) + U(-0.5, 0.5)``; returns (model, norm module names)."""
+    from transformers import AutoModelForCausalLM
+
+    from normswap.zoo import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **config), dtype=torch.float32).eval()
+    params = [n for n, _ in model.named_parameters() if norm_word in n]
+    _randomize_parameters(model, params, base)
+    return model, sorted({n.rsplit(".", 1)[0] for n in params})
+
+
+@pytest.mark.parametrize("eps", [2e-3, 3e-3, 1e-1, 1.0])
+def test_llama_with_large_rms_norm_eps(eps):
+    model, names = _hf("llama", "norm", lambda name: 1.0, rms_norm_eps=eps)
+    assert len(names) == 5  # two per layer, the final norm
+    _assert_every_norm_found_and_folded(model, dict.fromkeys(names, eps))
+
+
+@pytest.mark.parametrize("eps", [1e-2, 1.0])
+def test_gpt2_with_large_layer_norm_epsilon(eps):
+    model, names = _hf("gpt2", ".ln_", lambda name: 1.0 if name.endswith("weight") else 0.0,
+                       layer_norm_epsilon=eps)  # fmt: skip
+    assert len(names) == 5
+    # the final LayerNorm's bias has no lm_head bias to go to (at any eps)
+    unfolded = {"transformer.ln_f": "consumer lm_head has no bias to absorb the norm's bias"}
+    _assert_every_norm_found_and_folded(model, dict.fromkeys(names, eps), unfolded)
+
+
+def test_gemma_one_plus_w_with_large_eps():
+    model, names = _hf("gemma", "norm", lambda name: 0.0, rms_norm_eps=1e-2)
+    assert len(names) == 5
+    _assert_every_norm_found_and_folded(model, dict.fromkeys(names, 1e-2))

@@ -466,7 +466,8 @@ def convert_streamed(
             model=source.info.source, norm=norm, norms_found=len(traced.sites),
             norms_folded=len(folding.sites), norms_swapped=0, sites=traced.sites, untied=untied,
             untie_bytes=folding.untie_bytes + (centered.untie_bytes if centered else 0),
-            untouched=traced.untouched, keep_hidden_states=keep_hidden_states,
+            untouched=traced.untouched, probe_failures=dict(traced.probe_failures),
+            keep_hidden_states=keep_hidden_states,
             centering=centered.to_dict() if centered is not None and centered.note is None else None,
             rotation=rotation,
         )  # fmt: skip
