@@ -360,7 +360,7 @@ def _run_dtype_eps(probe: nn.Module, module: nn.Module, site: NormSite, n: torch
     one = torch.ones((), dtype=torch.float64, device="cpu")
     w = getattr(low, site.weight).double() + site.offset if site.weight else one
     b = getattr(low, site.bias).double() if site.bias else torch.zeros((), dtype=torch.float64, device="cpu")
-    estimate = _measure_eps(low, n, w.double(), b, site.kind, run_dtype)
+    estimate = _measure_eps(low, n, w.double(), b, site.kind, run_dtype, guess=eps64)
     if estimate <= 0.0 or 0.5 * eps64 <= estimate <= 2.0 * eps64:
         return eps64
     return _snap_eps(estimate, module)

@@ -354,7 +354,7 @@ def test_eps_of_any_size_is_measured(norm, eps):
     assert site.eps == pytest.approx(eps, rel=1e-6, abs=0.0)
 
 
-@pytest.mark.parametrize("eps", [1e-6, 1e-2, 0.3, 1.0])
+@pytest.mark.parametrize("eps", [1e-6, 1e-2, 0.3, 1.0, 10.0])
 def test_cast_order_in_bfloat16_whatever_eps(eps):
     """In bfloat16 Llama casts the normalized input before its weight multiply, Gemma multiplies in float32
     (transformers' source): the probe tells them apart bit for bit, large eps or not."""
