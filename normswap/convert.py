@@ -45,7 +45,8 @@ class ConvertReport:
         rotation: the residual-stream rotation (``normswap.rotate.Rotation``) when one was asked for.
         keep_hidden_states: whether the conversion kept every hidden state (``convert``'s option).
         centering: what centering did (``norm="rmsnorm"``: ``CenterResult.to_dict()``, with ``inputs``, the
-            ``inputs_embeds`` transform), or None.
+            ``inputs_embeds`` transform; after a rotation, ``inputs`` points to the rotation's map instead,
+            ``ROTATED_INPUTS``), or None.
     """
 
     model: str
