@@ -386,6 +386,13 @@ def _converted_gpt2(tmp_path, *args):
     return orig, out
 
 
+@pytest.fixture(scope="module")
+def rotated_gpt2(tmp_path_factory):
+    """``_converted_gpt2`` with ``--rotate hadamard --rotate-heads``, once for the module (copy it to change
+    it)."""
+    return _converted_gpt2(tmp_path_factory.mktemp("rotated"), "--rotate", "hadamard", "--rotate-heads")
+
+
 def _check(orig, conv, report):
     from normswap.cli import main
 
@@ -422,15 +429,18 @@ def _damage_q(folder, how):
         ("truncated", "normswap/rotation.safetensors cannot be read ("),
     ],
 )
-def test_check_of_a_rotated_copy_without_its_q(tmp_path, how, says):
+def test_check_of_a_rotated_copy_without_its_q(rotated_gpt2, tmp_path, how, says):
     """A rotated output whose Q is gone (copied without its ``normswap/`` folder), of another shape, not the
     recorded one, or unreadable: the stream cannot be compared (the check used to compare the rotated
     stream with the original's and fail "by the localization" in the embeddings, while the logits differ by
     3e-7). One warning line names the file and what is wrong; the stream's records are left out; the logits
     decide: PASS, exit 0 (docs/CHECKING.md). With a layer-1 weight changed by 5% the logits still fail it."""
+    import shutil
+
     from safetensors.torch import load_file, save_file
 
-    orig, out = _converted_gpt2(tmp_path, "--rotate", "hadamard", "--rotate-heads")
+    orig, out = rotated_gpt2[0], tmp_path / "copy"
+    shutil.copytree(rotated_gpt2[1], out)
     _damage_q(out, how)
     result = _check(orig, out, tmp_path / "r.json")
     assert result.exit_code == 0, result.output
