@@ -431,6 +431,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     from normswap.convert import convert as convert_model
     from normswap.io import carry
     from normswap.rotate import ROTATION_FILE, check_saved, rotate_reference
+    from normswap.rotate.inputs import prove as prove_rotated_inputs
     from normswap.walk import short_inputs, walk
 
     _quiet_transformers()
@@ -478,7 +479,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     if not traced.sites:
         raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
     manifest = io.input_manifest(loaded.info.path) if loaded.info.kind == "dir" else None
-    already_converted(model, loaded.model, traced.sites, norm, manifest)
+    already_converted(model, loaded.model, traced.sites, norm, manifest, rotate=rotate)
     inputs.kept = carry.keep_final_norms(loaded.model, traced.sites, inputs.skipped)
     on = f"random {check_input['input']}" if "input" in check_input else f"{input_ids.shape[-1]} tokens"
     stages.start("reference", f"running the original on {on}")
@@ -486,7 +487,9 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
                                tokenizer=False, device=device, device_map=device_map)  # fmt: skip
     reference = reference_outputs(loaded.model, input_ids, sites=traced.sites,
                                   rerun=reload_original(lambda: reload().model))  # fmt: skip
-    embeds = original_embeds(loaded.model, input_ids) if norm == "rmsnorm" and rotate is None else None
+    # the original's embeddings, to prove the inputs_embeds map of a centered or rotated model
+    # (centering.json, normswap/inputs_embeds.json); taken before the conversion changes the table
+    embeds = original_embeds(loaded.model, input_ids) if norm == "rmsnorm" or rotate is not None else None
     stages.start("convert", "folding and swapping the norms" + (f", rotating ({rotate})" if rotate else ""))
     traced_with = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
     with _rotation_refused():
@@ -498,7 +501,12 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
     stages.start("check", "comparing the converted model's outputs with the original's")
     checked = compare(reference, loaded.model, input_ids, transform=stream_transform(result),
                       keep_hidden_states=keep_hidden_states)  # fmt: skip
-    extra_files = prove_inputs_transform(result.centering, reference, loaded.model, embeds, checked)
+    if result.rotation is None:
+        extra_files = prove_inputs_transform(result.centering, reference, loaded.model, embeds, checked)
+    else:
+        matrices = {name: m.values for name, m in result.rotation.matrices.items()}
+        extra_files = prove_rotated_inputs(result.rotation.inputs, reference, loaded.model, embeds, matrices,
+                                           checked)  # fmt: skip
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)
     report_dict["check_input"] = check_input

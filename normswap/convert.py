@@ -48,7 +48,8 @@ class ConvertReport:
         rotation: the residual-stream rotation (``normswap.rotate.Rotation``) when one was asked for.
         keep_hidden_states: whether the conversion kept every hidden state (``convert``'s option).
         centering: what centering did (``norm="rmsnorm"``: ``CenterResult.to_dict()``, with ``inputs``, the
-            ``inputs_embeds`` transform), or None.
+            ``inputs_embeds`` transform; after a rotation, ``inputs`` points to the rotation's map instead,
+            ``ROTATED_INPUTS``), or None.
     """
 
     model: str
@@ -85,12 +86,35 @@ class ConvertReport:
         } | extra
 
 
+ROTATED_INPUTS = {
+    "kind": "rotated",
+    "inputs_embeds": "centered, then rotated: the map is the rotation's inputs_embeds "
+    "(normswap/inputs_embeds.json)",
+}
+
+
+def describe_inputs(model: nn.Module, rotation, centering=None) -> None:
+    """Set ``rotation.inputs``: what the rotated ``model`` expects as ``inputs_embeds``
+    (``normswap.rotate.inputs.describe``), from the table's rotation and, for a model centered first
+    (``centering``: the ``CenterResult``), the centering's own transform of it."""
+    from normswap.rotate.inputs import describe
+
+    centered = centering is not None and centering.note is None
+    rotation.inputs = describe(model, rotation, centering.inputs if centered else None)
+
+
 def stream_transform(report: ConvertReport | dict, folder=None):
     """The change ``report``'s conversion made to the residual stream by design, for ``check.compare``
     (``normswap.check.contract.StreamTransform``), or None: rotated after ``rotate=...`` (centered first for
     a LayerNorm model; the matrix is ``report.rotation``'s, or read from the checkpoint ``folder`` for a
     ``normswap.json`` dict), centered after ``norm="rmsnorm"`` (a rewritten embedding table's norm input
-    excepted)."""
+    excepted).
+
+    With ``folder``, the files the manifest names are looked for there, and each one missing is a warning
+    (``StreamTransform.warnings``): ``centering.json`` and ``normswap/inputs_embeds.json`` (the check does
+    not need them; a user mapping ``inputs_embeds`` does) and the rotation's ``Q`` (``saved_q``). Without
+    ``Q`` (missing, unreadable, of another shape, not the recorded matrix) the transform's ``apply`` is None:
+    nothing on the stream is compared, and the logits decide."""
     from normswap.center.inputs import FILE
     from normswap.check.contract import centered, rotated
 
@@ -104,8 +128,10 @@ def stream_transform(report: ConvertReport | dict, folder=None):
     writers = {m for m, grouped in centered_writers if not grouped}
     not_compared = {m for m, grouped in centered_writers if grouped}
     rewritten = {t.split(" -> ", 1)[1].split(" ", 1)[0] for t in centering.get("tables", [])}
+    warnings = []
     if data.get("rotation"):
         from normswap.rotate import ROTATION_FILE
+        from normswap.rotate.inputs import FILE as INPUTS_FILE
 
         rotation = data["rotation"]
         tensors = rotation.get("tensors", [])
@@ -114,17 +140,82 @@ def stream_transform(report: ConvertReport | dict, folder=None):
         not_compared |= {t["name"].rpartition(".")[0] for t in tensors if "head output" in t["sides"]}
         rewritten |= set(rotation.get("table_norms", []))
         q = getattr(getattr(report, "rotation", None), "Q", None)
+        unavailable = None
         if q is None:
-            path = None if folder is None else Path(folder) / ROTATION_FILE
-            if path is None or not path.is_file():
-                return None
-            from safetensors.torch import load_file
-
-            q = load_file(str(path))["Q"]
-        return rotated(q, bool(rotation.get("centered")), ROTATION_FILE, rewritten, writers, not_compared)
+            q, unavailable = saved_q(rotation, folder)
+        if unavailable is not None:
+            warnings.append(
+                f"normswap.json records a rotation, but {unavailable}: the residual stream (hidden states, "
+                "the localization's records of the stream) cannot be compared without its Q and is not; the "
+                "logits decide"
+            )
+        mapped = (rotation.get("inputs_embeds") or {}).get("kind") == "map"
+        if folder is not None and mapped and not (Path(folder) / INPUTS_FILE).is_file():
+            same = "normswap.json's rotation.inputs_embeds holds the same map"
+            warnings.append(_missing_map(INPUTS_FILE, same))
+        return rotated(q, bool(rotation.get("centered")), ROTATION_FILE, rewritten, writers, not_compared,
+                       unavailable=unavailable, warnings=warnings)  # fmt: skip
     if not centering:
         return None
-    return centered(FILE, rewritten, writers, not_compared)
+    transform = centering.get("inputs") or {}
+    if folder is not None and transform.get("kind") in ("center", "rewrite", "none"):
+        if not (Path(folder) / FILE).is_file():
+            warnings.append(_missing_map(FILE, "normswap.json's centering.inputs holds the same transform"))
+    result = centered(FILE, rewritten, writers, not_compared)
+    result.warnings = tuple(warnings)
+    return result
+
+
+def _missing_map(file: str, where: str) -> str:
+    return (
+        f"{file} is missing (copied without it?): the check does not need it, but vectors given as "
+        f"inputs_embeds must be mapped with it ({where})"
+    )
+
+
+def saved_q(rotation: dict, folder) -> tuple[torch.Tensor | None, str | None]:
+    """The rotation's ``Q`` from the checkpoint ``folder`` (``normswap.rotate.ROTATION_FILE``), checked
+    against what ``rotation`` (a manifest's ``rotation`` entry) records: its size and, where recorded, its
+    SHA-256 (``normswap.rotate.matrix.Matrix.sha256``); without one (older manifests), ``Q`` must be
+    orthogonal (``|Qᵀ Q x - x| <= 1e-9 |x|`` for 4 seeded random ``x``).
+
+    Returns:
+        ``(Q float64 (n, n), None)``, or ``(None, why)``: one phrase naming the file and what is wrong
+        (missing, unreadable, no ``Q``, another shape, not the recorded matrix).
+    """
+    from normswap.rotate import ROTATION_FILE
+    from normswap.rotate.matrix import digest
+
+    file = rotation.get("file") or ROTATION_FILE
+    if folder is None:
+        return None, f"no folder was given to read {file} from"
+    path = Path(folder) / file
+    if not path.is_file():
+        return None, f"{file} is missing (a copy without its normswap/ folder?)"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            if "Q" not in f.keys():
+                return None, f"{file} holds no Q (tensors: {', '.join(sorted(f.keys())) or 'none'})"
+            q = f.get_tensor("Q")
+    except Exception as error:  # noqa: BLE001 - a truncated or foreign file: said in one line
+        line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return None, f"{file} cannot be read ({line})"
+    recorded = (rotation.get("matrices") or {}).get("Q") or {}
+    size = recorded.get("size")
+    if q.ndim != 2 or q.shape[0] != q.shape[1] or (size is not None and q.shape[0] != size):
+        want = f"{size} x {size}" if size is not None else "square"
+        return None, f"{file} holds a Q of shape {tuple(q.shape)}, not {want}"
+    q = q.to(torch.float64)
+    sha = recorded.get("sha256")
+    if sha is not None and digest(q) != sha:
+        return None, f"{file} holds another Q than the one recorded (its SHA-256 differs: changed or corrupt)"
+    if sha is None:
+        x = torch.randn(q.shape[0], 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        if not bool(torch.isfinite(q).all()) or ((q.T @ (q @ x)) - x).norm() > 1e-9 * x.norm():
+            return None, f"{file} holds a Q that is not orthogonal (changed or corrupt)"
+    return q, None
 
 
 def _model_name(model: nn.Module) -> str:
@@ -172,26 +263,59 @@ def at_identity(model: nn.Module, site: NormSite) -> bool:
     return True
 
 
-def already_converted(source: str, model: nn.Module, sites: list[NormSite], norm: str, manifest) -> None:
-    """Refuse a conversion that would change nothing: ``model`` was converted before.
+def already_converted(
+    source: str, model: nn.Module, sites: list[NormSite], norm: str, manifest, *, rotate: str | None = None
+) -> None:
+    """Refuse a conversion that has nothing left to do on ``model``, a model converted before, or that
+    cannot be done on it; return when there is work.
 
-    That is when ``manifest`` (the input's ``normswap.json`` as a dict, or ``None``) says normswap wrote
-    the input and every foldable norm already holds its identity parameters (:func:`at_identity`), or, without
-    a manifest, when every norm with parameters does. A request to center (``norm="rmsnorm"``) a model with
-    LayerNorms that was not centered before is not refused.
+    The work asked for is read against what the input's ``manifest`` (its ``normswap.json`` as a dict, or
+    ``None``) says was done, and against the model:
+
+    * ``rotate``: on a model not rotated before, always work (folded norms are what a rotation needs), also
+      when every norm already holds its identity weight; on a model the manifest says was rotated, refused:
+      a second rotation would be exact (``Q2`` after ``Q1``), but what normswap saves beside the output (the
+      matrices, the ``inputs_embeds`` map, the check's records) would then describe the rotated input, not
+      the original, and the first ``Q`` would be lost from the output's record;
+    * ``norm="rmsnorm"``: centering is work on a model with LayerNorms not centered before; on one the
+      manifest says was centered and rotated (a LayerNorm model's rotation centers it first) there is
+      nothing left to do;
+    * otherwise, refused when the manifest says normswap wrote the input and every foldable norm already
+      holds its identity parameters (:func:`at_identity`), or, without a manifest, when every norm with
+      parameters does.
 
     Raises:
-        NormswapError: ``"{source}: nothing to fold: already converted by normswap X ..."``.
+        NormswapError: one line naming ``source``, what the manifest says was done, and what to do instead.
     """
+    version = (manifest or {}).get("normswap_version") or "an unknown version"
+    rotated = (manifest or {}).get("rotation") or None
+    if rotated is not None:
+        file = rotated.get("file") or "normswap/rotation.safetensors"
+        if rotate is not None:
+            raise NormswapError(
+                f"{source}: already rotated by normswap {version} (its normswap.json records Q in {file}); "
+                "rotating it again would be exact, but its Q, inputs_embeds map and check would describe "
+                "this rotated model instead of the original: rotate the original model instead"
+            )
+        if norm == "rmsnorm" and rotated.get("centered"):
+            raise NormswapError(
+                f"{source}: nothing to do: already centered and rotated by normswap {version} (its "
+                "normswap.json says so: the rotation of a LayerNorm model centers its stream first, and its "
+                "norms are folded); --norm rmsnorm would change nothing"
+            )
+    if rotate is not None:
+        return
     if norm == "rmsnorm" and any(s.kind == "layernorm" for s in sites):
         if (manifest or {}).get("norm") != "rmsnorm":
             return
     if manifest is not None:
         if any(s.foldable and not at_identity(model, s) for s in sites):
             return
-        version = manifest.get("normswap_version") or "an unknown version"
+        steps = ["converted"] + ["centered"] * (manifest.get("norm") == "rmsnorm")
+        steps += ["rotated"] * bool(rotated)
+        done = steps[0] if len(steps) == 1 else ", ".join(steps[:-1]) + " and " + steps[-1]
         raise NormswapError(
-            f"{source}: nothing to fold: already converted by normswap {version} (its normswap.json says so, "
+            f"{source}: nothing to fold: already {done} by normswap {version} (its normswap.json says so, "
             "and every foldable norm holds its identity weight); convert the original model instead"
         )
     weighted = [s for s in sites if s.weight or s.bias]
@@ -384,6 +508,7 @@ def convert(
                 raise
             report.rotation.centered = centering is not None and centering.note is None
             report.rotation.not_centered = not_centered
+            describe_inputs(model, report.rotation, centering)
         report.untied = untied.names
         report.untie_bytes = folding.untie_bytes
         for site in folding.sites:
@@ -402,6 +527,8 @@ def convert(
         report.untie_bytes += centering.untie_bytes
         if centering.note is None:
             report.centering = centering.to_dict()
+            if report.rotation is not None:
+                report.centering["inputs"] = dict(ROTATED_INPUTS)
     if swap:
         report.norms_swapped = swap_norms(model, result.sites)
     return report

@@ -493,7 +493,10 @@ class Rotated:
     ``refused`` holds the one-line ``RotationError`` when the stream cannot be rotated; ``heads`` is the
     heads' refusal when only the stream was rotated (None when the heads were rotated too). ``max_abs_diff``
     compares the rotated model's outputs with the original's; ``reload_diff`` those of a plain transformers
-    ``from_pretrained`` of its ``save_pretrained`` copy (NaN for a model that is not a transformers model).
+    ``from_pretrained`` of its ``save_pretrained`` copy (NaN for a model that is not a transformers model);
+    ``inputs_diff`` those of the rotated model given the original's input embeddings of the ids mapped by the
+    rotation's ``inputs_embeds`` map (``Rotation.inputs_embeds``; NaN where the model takes no
+    ``inputs_embeds``), and ``inputs_map`` that map's formula (or why there is none).
     """
 
     refused: str | None = None
@@ -501,6 +504,8 @@ class Rotated:
     max_abs_diff: float = float("nan")
     reload_diff: float = float("nan")
     error: str | None = None
+    inputs_diff: float = float("nan")
+    inputs_map: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -509,7 +514,8 @@ class Rotated:
         if self.refused is not None:
             return True
         reload_ok = math.isnan(self.reload_diff) or self.reload_diff <= TOLERANCE
-        return self.max_abs_diff <= TOLERANCE and reload_ok
+        inputs_ok = math.isnan(self.inputs_diff) or self.inputs_diff <= TOLERANCE
+        return self.max_abs_diff <= TOLERANCE and reload_ok and inputs_ok
 
 
 # float32 folds are exact up to rounding: about 1e-6 on these tiny models; every wrong fold seen in the
@@ -519,6 +525,28 @@ TOLERANCE = 1e-5
 
 def _error_line(error: Exception) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+@torch.no_grad()
+def _inputs_embeds_diff(reference: nn.Module, model: nn.Module, rotation, ids, before) -> tuple[str, float]:
+    """``(the map's formula, max abs difference of the outputs)``: ``model`` (rotated) given the map of
+    ``reference``'s input embeddings of ``ids``, against ``before``; NaN where the model takes no
+    ``inputs_embeds`` (no input table, inputs other than ids)."""
+    from normswap.walk import accepts
+
+    inputs = rotation.inputs or {}
+    table = reference.get_input_embeddings() if hasattr(reference, "get_input_embeddings") else None
+    if not isinstance(ids, torch.Tensor) or table is None or not accepts(model, "inputs_embeds"):
+        return inputs.get("map") or inputs.get("inputs_embeds"), float("nan")
+    if inputs.get("kind") != "map":
+        return f"no map: {inputs.get('inputs_embeds')}", float("inf")
+    kwargs = {"inputs_embeds": rotation.inputs_embeds(table(ids))}
+    if accepts(model, "use_cache"):
+        kwargs["use_cache"] = False
+    out = model(**kwargs)
+    value = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    value = value if value is not None else out.last_hidden_state
+    return inputs["map"], (value - before).abs().max().item()
 
 
 @exact_float32()
@@ -535,12 +563,15 @@ def run_rotation(reference: nn.Module, ids: torch.Tensor, before: torch.Tensor) 
     try:
         model = copy.deepcopy(reference)
         try:
-            convert(model, rotate="hadamard", rotate_heads=True)
+            report = convert(model, rotate="hadamard", rotate_heads=True)
         except HeadRotationError as error:
             result.heads = str(error)
             model = copy.deepcopy(reference)
-            convert(model, rotate="hadamard")
+            report = convert(model, rotate="hadamard")
         result.max_abs_diff = (model_outputs(model, ids) - before).abs().max().item()
+        result.inputs_map, result.inputs_diff = _inputs_embeds_diff(
+            reference, model, report.rotation, ids, before
+        )
         if hasattr(model, "save_pretrained"):
             with tempfile.TemporaryDirectory() as folder:
                 model.save_pretrained(folder)

@@ -371,3 +371,126 @@ def test_cli_check_zero_tolerance_and_different_models(tmp_path):
     result = runner.invoke(main, ["check", str(gpt2), str(bad), "--tokens", "64"], env=env)
     assert result.exit_code == 2, result.output
     assert "are different models: model_type gpt2 vs gemma" in result.output
+
+
+# ---------------------------------------------------------------- a converted folder lacking what it names
+def _converted_gpt2(tmp_path, *args):
+    """A tiny GPT-2 (vocab 260, byte tokenizer) and its ``normswap convert`` output with ``args``."""
+    from normswap.cli import main
+
+    orig, out = tmp_path / "orig", tmp_path / "out"
+    make_tiny_model("gpt2", vocab_size=260).save_pretrained(orig)
+    byte_tokenizer().save_pretrained(orig)
+    result = CliRunner().invoke(main, ["convert", str(orig), "-o", str(out), "--tokens", "32", *args])
+    assert result.exit_code == 0, result.output
+    return orig, out
+
+
+@pytest.fixture(scope="module")
+def rotated_gpt2(tmp_path_factory):
+    """``_converted_gpt2`` with ``--rotate hadamard --rotate-heads``, once for the module (copy it to change
+    it)."""
+    return _converted_gpt2(tmp_path_factory.mktemp("rotated"), "--rotate", "hadamard", "--rotate-heads")
+
+
+def _check(orig, conv, report):
+    from normswap.cli import main
+
+    args = ["check", str(orig), str(conv), "--tokens", "32", "--report", str(report)]
+    return CliRunner().invoke(main, args, env={"HF_HUB_OFFLINE": "1"})
+
+
+def _damage_q(folder, how):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "normswap" / "rotation.safetensors"
+    if how == "folder missing":
+        shutil.rmtree(folder / "normswap")
+        return
+    if how == "truncated":
+        path.write_bytes(path.read_bytes()[:100])
+        return
+    q = load_file(str(path))["Q"]
+    q = q[:32, :32].contiguous() if how == "wrong shape" else q.clone().index_fill_(0, torch.tensor([0]), 0.5)
+    save_file({"Q": q}, str(path))
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    [
+        ("folder missing", "normswap/rotation.safetensors is missing (a copy without its normswap/ folder?)"),
+        ("wrong shape", "normswap/rotation.safetensors holds a Q of shape (32, 32), not 64 x 64"),
+        (
+            "changed",
+            "normswap/rotation.safetensors holds another Q than the one recorded (its SHA-256 differs",
+        ),
+        ("truncated", "normswap/rotation.safetensors cannot be read ("),
+    ],
+)
+def test_check_of_a_rotated_copy_without_its_q(rotated_gpt2, tmp_path, how, says):
+    """A rotated output whose Q is gone (copied without its ``normswap/`` folder), of another shape, not the
+    recorded one, or unreadable: the stream cannot be compared (the check used to compare the rotated
+    stream with the original's and fail "by the localization" in the embeddings, while the logits differ by
+    3e-7). One warning line names the file and what is wrong; the stream's records are left out; the logits
+    decide: PASS, exit 0 (docs/CHECKING.md). With a layer-1 weight changed by 5% the logits still fail it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    orig, out = rotated_gpt2[0], tmp_path / "copy"
+    shutil.copytree(rotated_gpt2[1], out)
+    _damage_q(out, how)
+    result = _check(orig, out, tmp_path / "r.json")
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.output.splitlines() if line.startswith("  warning: ")]
+    assert "check PASS" in result.output and any(says in w and "the logits decide" in w for w in warnings)
+    assert ("normswap/inputs_embeds.json is missing" in result.output) is (how == "folder missing")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["passed"] and report["divergence"] is None and report["max_abs_logit_diff"] <= 1e-5
+    assert report["transform"]["unavailable"] and len(report["warnings"]) == len(warnings)
+    hidden = [e for e in report["contract"] if e["output"].startswith("hidden_states")]
+    assert hidden and all(
+        e["status"] == "changed by design" and "not compared" in e["reason"] for e in hidden
+    )
+    weights = load_file(str(out / "model.safetensors"))
+    weights["transformer.h.1.mlp.c_fc.weight"] *= 1.05
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    result = _check(orig, out, tmp_path / "r.json")
+    assert result.exit_code == 1 and "check FAIL" in result.output, result.output
+
+
+def test_check_of_a_centered_copy_without_centering_json(tmp_path):
+    """The check does not need ``centering.json`` (centering's map of the stream is the mean over the
+    hidden axis, which normswap.json records): PASS with no divergence, exit 0, and one warning line that
+    it is missing (vectors given as inputs_embeds need it)."""
+    orig, out = _converted_gpt2(tmp_path, "--norm", "rmsnorm")
+    (out / "centering.json").unlink()
+    result = _check(orig, out, tmp_path / "r.json")
+    assert result.exit_code == 0 and "check PASS" in result.output, result.output
+    [warning] = [line for line in result.output.splitlines() if line.startswith("  warning: ")]
+    assert "centering.json is missing" in warning and "inputs_embeds must be mapped with it" in warning
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["divergence"] is None and report["transform"]["unavailable"] is None
+
+
+def test_saved_q_without_a_recorded_digest_must_be_orthogonal(tmp_path):
+    """A manifest written without the matrices' SHA-256: Q is accepted when orthogonal, refused otherwise."""
+    from safetensors.torch import save_file
+
+    from normswap.convert import saved_q
+
+    rotation = {"file": "normswap/rotation.safetensors", "matrices": {"Q": {"size": 8}}}
+    (tmp_path / "normswap").mkdir()
+    q = torch.linalg.qr(torch.randn(8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64))[0]
+    q = q.contiguous()
+    save_file({"Q": q}, str(tmp_path / "normswap" / "rotation.safetensors"))
+    got, why = saved_q(rotation, tmp_path)
+    assert why is None and torch.equal(got, q)
+    save_file({"Q": q * 1.001}, str(tmp_path / "normswap" / "rotation.safetensors"))
+    got, why = saved_q(rotation, tmp_path)
+    assert (
+        got is None
+        and why == "normswap/rotation.safetensors holds a Q that is not orthogonal (changed or corrupt)"
+    )

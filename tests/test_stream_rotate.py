@@ -66,12 +66,24 @@ def _tree(folder: Path) -> dict[str, str]:
 
 
 def assert_folder_rotated(original, folder: Path) -> None:
-    """The independent check: ``folder`` (plain transformers) against the unconverted ``original``."""
+    """The independent check: ``folder`` (plain transformers) against the unconverted ``original``; and its
+    ``inputs_embeds`` map (``normswap/inputs_embeds.json``, proved by the conversion on the check's ids),
+    applied to the original's embeddings of other ids, reproduces the original's logits within ``TOL``."""
+    from normswap.rotate import inputs
+
     q = load_file(str(folder / ROTATION_FILE))["Q"]
     centered = json.loads((folder / "normswap.json").read_text())["rotation"]["centered"]
     fresh = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = example_ids()
-    assert_rotated(hidden_outputs(original, ids), hidden_outputs(fresh, ids), q, centered, TOL)
+    before = hidden_outputs(original, ids)
+    assert_rotated(before, hidden_outputs(fresh, ids), q, centered, TOL)
+    transform = inputs.load(folder)
+    assert (
+        transform["verified"]["passed"] and transform["verified"]["max_abs_diff"] <= 2e-4
+    )  # float32's bound
+    with torch.no_grad():
+        mapped = inputs.apply(transform, original.get_input_embeddings()(ids))
+        assert (fresh(inputs_embeds=mapped).logits - before.logits).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("name, args", ROWS, ids=[r[0] for r in ROWS])
@@ -91,12 +103,96 @@ def test_rotation_streamed_equals_in_memory(name, args, tokenizer, tmp_path):  #
     assert got.keys() == want.keys() == ({"Q", "H"} if "--rotate-heads" in args else {"Q"})
     assert all(got[k].dtype == torch.float64 and torch.equal(got[k], want[k]) for k in got)
     report, expected = (json.loads((d / "normswap.json").read_text()) for d in (streamed, memory_out))
+    for r in (report, expected):  # the map's proof: the streamed and in-memory forwards round apart
+        assert r["rotation"]["inputs_embeds"].pop("verified")["passed"]
     assert report["rotation"] == expected["rotation"] and report["rotation"]["tensors"]
     assert report["norm"] == expected["norm"] and report["centering"] == expected["centering"]
     assert report["check"]["passed"] and report["check"]["divergence"] is None
     assert report["streamed"]["rotation_bytes"] >= 8 * 64 * 64  # Q in float64, at least
     assert _tree(src) == before  # the input is only read
     assert_folder_rotated(model, streamed)
+
+
+INPUTS_ROWS = [
+    pytest.param("bloom", {}, [], "e -> rewrite(e) @ Q", id="bloom"),
+    pytest.param("opt", {"word_embed_proj_dim": 32}, HEADS, "e -> e", id="opt-project_in"),
+    # e @ Q streamed as Llama's (ROWS); its scaled table is covered in memory by tests/test_rotate.py
+    pytest.param(
+        "gemma", {"tie_word_embeddings": False}, [], "e -> e @ Q", id="gemma", marks=pytest.mark.slow
+    ),
+]
+
+
+@pytest.mark.parametrize("model_type, overrides, heads, formula", INPUTS_ROWS)
+def test_inputs_embeds_map_streamed_and_in_memory(model_type, overrides, heads, formula, tokenizer,  # noqa: F811
+                                                  tmp_path):  # fmt: skip
+    """The tables the rotation meets besides Llama's and GPT-2's (ROWS): BLOOM's, rewritten for its
+    embedding norm; OPT's, read by ``project_in`` (rotated in its place); Gemma's, scaled in its module. In
+    memory and streamed, the same map is written and proved on the check's ids, the summary names it, and
+    it holds on other ids against the original (``assert_folder_rotated``)."""
+    model = make_tiny_model(model_type, **overrides)
+    src = save_sharded(model, tokenizer, tmp_path / "src")
+    maps = []
+    for out, extra in ((tmp_path / "memory", []), (tmp_path / "streamed", ["--max-memory", "64KB"])):
+        r = run("convert", src, "-o", out, "--tokens", TOKENS, "--rotate", "hadamard", *heads, *extra)
+        assert r.exit_code == 0, r.output
+        assert f"inputs_embeds: {formula} (normswap/inputs_embeds.json; proved on the check's ids" in r.output
+        assert_folder_rotated(model, out)
+        maps.append(json.loads((out / "normswap" / "inputs_embeds.json").read_text()))
+    for m in maps:
+        del m["verified"]  # the streamed and in-memory forwards round apart
+    assert maps[0] == maps[1] and maps[0]["map"] == formula
+
+
+def _converted(model, tokenizer, tmp_path, *args) -> tuple[Path, Path]:  # noqa: F811
+    """``model`` saved sharded (``src``) and converted in memory with ``args`` (``conv``)."""
+    src = save_sharded(model, tokenizer, tmp_path / "src")
+    r = run("convert", src, "-o", tmp_path / "conv", "--tokens", TOKENS, *args)
+    assert r.exit_code == 0, r.output
+    return src, tmp_path / "conv"
+
+
+@pytest.mark.parametrize("name, first", [("llama", []), ("gpt2", ["--norm", "rmsnorm"])])
+def test_a_converted_output_is_rotated(name, first, tokenizer, tmp_path):  # noqa: F811
+    """Folded norms are what a rotation needs: an output of normswap that was not rotated (folded; for
+    GPT-2 also centered) is rotated, in memory and streamed (the same bytes), and the result is exact
+    against the ORIGINAL model: logits, hidden states (centered) times the saved Q, the inputs_embeds map.
+    The input's own records (its centering.json) are not carried into the output."""
+    model = _model(name)
+    _, conv = _converted(model, tokenizer, tmp_path, *first)
+    args = ["--tokens", TOKENS, "--rotate", "hadamard", *HEADS]
+    r = run("convert", conv, "-o", tmp_path / "memory", *args)
+    assert r.exit_code == 0, r.output
+    r = run("convert", conv, "-o", tmp_path / "streamed", *args, "--max-memory", "64KB")
+    assert r.exit_code == 0, r.output
+    assert_same_checkpoint(tmp_path / "memory", tmp_path / "streamed")
+    for out in (tmp_path / "memory", tmp_path / "streamed"):
+        report = json.loads((out / "normswap.json").read_text())
+        assert report["check"]["passed"] and report["check"]["divergence"] is None
+        assert report["rotation"]["centered"] is (name == "gpt2")
+        assert_folder_rotated(model, out)
+        if name == "gpt2":  # the input's centering.json is its own record (e - mean alone): not carried over
+            assert not (out / "centering.json").exists()
+            [why] = [x for x in report["carried"]["not_copied"] if x.startswith("centering.json ")]
+            assert "record of the input's own conversion" in why
+
+
+def test_a_rotated_output_is_not_rotated_or_centered_again(tokenizer, tmp_path):  # noqa: F811
+    """A rotated GPT-2 (centered by its rotation): ``--rotate`` again is refused (a second Q would make the
+    saved records relative to the rotated input, not the original), ``--norm rmsnorm`` has nothing to do;
+    each in one line, in memory and streamed, nothing written, the input unchanged."""
+    _, conv = _converted(_model("gpt2"), tokenizer, tmp_path, "--rotate", "hadamard")
+    before = _tree(conv)
+    for extra in ([], ["--max-memory", "64KB"]):
+        r = run("convert", conv, "-o", tmp_path / "again", "--tokens", TOKENS, "--rotate", "random", *extra)
+        _refused(
+            r, "conv: already rotated by normswap", "normswap/rotation.safetensors", "rotate the original"
+        )
+        r = run("convert", conv, "-o", tmp_path / "again", "--tokens", TOKENS, "--norm", "rmsnorm", *extra)
+        _refused(r, "conv: nothing to do: already centered and rotated by normswap", "would change nothing")
+        r = run("convert", conv, "-o", tmp_path / "again", "--tokens", TOKENS, *extra)
+        _refused(r, "conv: nothing to fold: already converted, centered and rotated by normswap")
+    assert _tree(conv) == before and not (tmp_path / "again").exists()
 
 
 def test_rotation_streams_when_memory_is_short(tokenizer, tmp_path, monkeypatch):  # noqa: F811
@@ -198,4 +294,6 @@ def test_smollm2_rotated_streamed_equals_in_memory(tmp_path):
     got, want = (load_file(str(d / ROTATION_FILE)) for d in (streamed, memory_out))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     report, expected = (json.loads((d / "normswap.json").read_text()) for d in (streamed, memory_out))
+    for r in (report, expected):  # the map's proof: the streamed and in-memory forwards round apart
+        assert r["rotation"]["inputs_embeds"].pop("verified")["passed"]
     assert report["rotation"] == expected["rotation"] and report["check"]["divergence"] is None

@@ -128,6 +128,9 @@ def test_zoo_row(entry):
         assert rotation.max_abs_diff <= TOLERANCE, f"rotated: off by {rotation.max_abs_diff:.3g}"
         if entry.model_type != "custom":  # plain transformers reload of the save_pretrained copy
             assert rotation.reload_diff <= TOLERANCE, f"reloaded: off by {rotation.reload_diff:.3g}"
+            # the original's inputs_embeds through the recorded map (every zoo row that rotates takes ids)
+            off = rotation.inputs_diff
+            assert off <= TOLERANCE, f"inputs_embeds through {rotation.inputs_map}: off by {off:.3g}"
     assert result.passed
     # the contract the report states matches an independent comparison of output_hidden_states
     original, converted = result.models

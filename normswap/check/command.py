@@ -67,8 +67,10 @@ def check_command(
     Prints the metrics and, per output the models return (hidden states included), whether it is the same;
     exit code 0 when CONVERTED matches within the tolerance for the dtype (docs/CHECKING.md), 1 when it
     does not (the first diverging norm site is named when CONVERTED has a normswap manifest), 2 on bad
-    input. A CONVERTED whose manifest says it was centered (--norm rmsnorm) is compared like with like: its
-    residual stream against the original's, centered.
+    input. A CONVERTED whose manifest says it was centered (--norm rmsnorm) or rotated (--rotate) is compared
+    like with like: its residual stream against the original's, centered (and times its Q). A file its
+    manifest names that is missing is a warning line; without a rotation's Q (normswap/rotation.safetensors)
+    the stream is not compared and the logits decide.
     """
     from normswap.check import compare, reference_outputs, reload_original
     from normswap.check.inputs import (

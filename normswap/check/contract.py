@@ -56,18 +56,26 @@ class StreamTransform:
             group (the heads a per-head LayerNorm reads, Cohere's and Persimmon's q/k norms: localization
             compares the per-head norms' inputs after them instead) or rotated per head (``--rotate-heads``:
             the value projections' outputs times ``H``; the layer's output is compared).
+        unavailable: why ``apply`` cannot run (a rotation whose saved ``Q`` is missing or is not the one
+            recorded), or None. Then nothing on the residual stream is compared (localization skips its
+            records; a returned output that differs is "changed by design", not verified) and the main
+            output (the logits) decides.
+        warnings: lines for the user about the checked folder (a file the manifest names that is missing),
+            carried into ``CheckResult.warnings``.
     """
 
     name: str
     reason: str
-    apply: Callable[[torch.Tensor], torch.Tensor] = field(repr=False)
+    apply: Callable[[torch.Tensor], torch.Tensor] | None = field(repr=False)
     file: str | None = None
     rewritten_inputs: frozenset[str] = frozenset()
     writers: frozenset[str] = frozenset()
     not_compared: frozenset[str] = frozenset()
+    unavailable: str | None = None
+    warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "reason": self.reason, "file": self.file}
+        return {"name": self.name, "reason": self.reason, "file": self.file, "unavailable": self.unavailable}
 
 
 def centered(file: str | None = None, rewritten_inputs=(), writers=(), not_compared=()) -> StreamTransform:
@@ -85,11 +93,26 @@ def centered(file: str | None = None, rewritten_inputs=(), writers=(), not_compa
 
 
 def rotated(
-    q: torch.Tensor, centered: bool, file: str | None = None, rewritten_inputs=(), writers=(), not_compared=()
+    q: torch.Tensor | None,
+    centered: bool,
+    file: str | None = None,
+    rewritten_inputs=(),
+    writers=(),
+    not_compared=(),
+    *,
+    unavailable: str | None = None,
+    warnings=(),
 ) -> StreamTransform:
     """The rotation of ``--rotate`` (``normswap.rotate``): ``h -> h Q`` for every row (after subtracting its
-    mean over the hidden axis for a centered, LayerNorm, model); ``q`` is the ``(hidden, hidden)`` matrix;
-    the other arguments as in ``StreamTransform``."""
+    mean over the hidden axis for a centered, LayerNorm, model); ``q`` is the ``(hidden, hidden)`` matrix,
+    or None when it cannot be had (``unavailable`` says why: nothing on the stream is compared); the other
+    arguments as in ``StreamTransform``."""
+    centering = " minus its mean over the hidden axis," if centered else ""
+    reason = f"the residual stream is rotated: the original{centering} times Q"
+    if q is None:
+        return StreamTransform("rotated", f"{reason}; not compared: {unavailable}", None, file,
+                               frozenset(rewritten_inputs), frozenset(writers), frozenset(not_compared),
+                               unavailable or "Q is not known", tuple(warnings))  # fmt: skip
     q = q.detach().to("cpu", torch.float64)
 
     def apply(t: torch.Tensor) -> torch.Tensor:
@@ -100,15 +123,15 @@ def rotated(
             return t  # not the stream: not rotated
         return t @ q
 
-    centering = " minus its mean over the hidden axis," if centered else ""
     return StreamTransform(
         "rotated",
-        f"the residual stream is rotated: the original{centering} times Q",
+        reason,
         apply,
         file,
         frozenset(rewritten_inputs),
         frozenset(writers),
         frozenset(not_compared),
+        warnings=tuple(warnings),
     )
 
 
@@ -292,6 +315,11 @@ def judge(
         if rel <= threshold:
             continue
         site = by_name.get((producers or {}).get(name))
+        if transform is not None and transform.apply is None:  # its map is not known: not compared
+            entry.status, entry.reason, entry.relation = BY_DESIGN, transform.reason, transform.name
+            if keep_hidden_states:
+                failures.append(f"{name} changed ({entry.reason}); keep_hidden_states asks it to stay")
+            continue
         if transform is not None:
             image = transform.apply(ref)
             error = _rel(image, conv)

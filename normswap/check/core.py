@@ -127,7 +127,9 @@ class CheckResult:
     float32/float64 with sites that describe the conversion (folded or swapped: ``convert``'s, a saved
     output's), the point where the localization found a divergence that failed a check whose logits passed
     their rule (an error the size of float32 rounding in the logits); ``None`` otherwise (a given
-    ``max_abs``/``top1`` tolerance leaves the logits' rule final).
+    ``max_abs``/``top1`` tolerance leaves the logits' rule final). ``warnings``: lines about the checked
+    folder that do not change the verdict by themselves (``contract.StreamTransform.warnings``: a file its
+    manifest names is missing, e.g. a rotation's ``Q``, without which the stream is not compared).
     """
 
     max_abs_logit_diff: float
@@ -159,6 +161,7 @@ class CheckResult:
     rule: str = FIXED
     float64_reference: dict | None = None
     localized: str | None = None
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -184,6 +187,7 @@ class CheckResult:
         if self.greedy_tokens:
             lines.append(f"  greedy agreement {self.greedy_agreement:.2%} of {self.greedy_tokens} tokens")
         lines += [f"  {line}" for line in contract.lines(self.contract, self.to_dict())]
+        lines += [f"  warning: {w}" for w in self.warnings]
         lines += [f"  failed: {f}" for f in self.failures]
         if self.divergence:
             lines.append(f"  first divergence: {self.divergence['description']}")
@@ -669,6 +673,7 @@ def compare(
         rule=rule,
         float64_reference=f64,
         localized=localized,
+        warnings=list(transform.warnings) if transform is not None else [],
     )
 
 

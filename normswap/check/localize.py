@@ -212,7 +212,8 @@ def localize(
             e.g. centering): a norm's input or output, or a layer's output, also matches when it equals the
             transformed original (like with like); the inputs of ``transform.rewritten_inputs`` are not
             compared. Consumer outputs take it only where the consumer writes the stream
-            (``transform.writers``).
+            (``transform.writers``). A transform whose map is not known (``transform.apply`` None: a
+            rotation's ``Q`` missing) leaves every such record of the stream out.
 
     Returns:
         ``None`` when every point matches, else a dict: ``site``, ``layer``, ``point`` (``"module:where"``),
@@ -237,6 +238,8 @@ def localize(
             probe.role in ("norm input", "norm output", "layer output")
             or (transform is not None and probe.role == "consumer output" and module in transform.writers)
         )
+        if transform is not None and stream and transform.apply is None:
+            continue  # the stream's map is not known (a rotation's Q missing): not compared
         if transform is not None and stream and rel > threshold:
             if probe.role == "norm input" and probe.site in transform.rewritten_inputs:
                 rel = 0.0  # rewritten by design (a table the norm reads); its output is compared

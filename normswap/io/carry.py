@@ -22,8 +22,11 @@
   transformers or normswap: ``config.json``, tokenizer files, ...) is never overwritten. Not copied, and
   named in the report with the reason: the input checkpoint's own weight files (the output holds the
   converted weights), weights of the original in another format or training state (``*.bin``, ``*.pt``,
-  ``*.onnx``, ``*.h5``, ...: they would not match the converted model), and files larger than
-  ``FILE_LIMIT``.
+  ``*.onnx``, ``*.h5``, ...: they would not match the converted model), files larger than
+  ``FILE_LIMIT``, and, from an input that normswap wrote (it holds a ``normswap.json``), the records of
+  that input's own conversion (``OWN_RECORDS``: ``centering.json``, ``normswap/inputs_embeds.json``,
+  ``normswap/rotation.safetensors``): they describe it against its original, and the output's own
+  ``normswap.json`` and files describe the new conversion against the input given.
 * **Shard size.** A sharded input's output is written in shards of at most its largest shard's size.
 """
 
@@ -114,17 +117,23 @@ def _checkpoint_files(folder: Path) -> set[str]:
     return {p.name for p in folder.glob("pytorch_model*.bin")} | {CHECKPOINT_INDEXES[1]}
 
 
+OWN_RECORDS = ("centering.json", "normswap/inputs_embeds.json", "normswap/rotation.safetensors")
+
+
 def extra_files(folder: Path) -> tuple[list[str], dict[str, str]]:
     """``(files to copy, {file: why not copied})``: every file under ``folder`` but its checkpoint (see the
     module docstring), as paths relative to ``folder`` with ``/``; symlinks are followed."""
     checkpoint = _checkpoint_files(folder)
     copy, not_copied = [], {}
+    if (folder / "normswap.json").is_file():  # the input is a normswap output: its records are not ours
+        why = "normswap's record of the input's own conversion; the output's normswap.json records this one"
+        not_copied |= {rel: why for rel in OWN_RECORDS if (folder / rel).is_file()}
     for root, dirs, names in os.walk(folder, followlinks=True):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(names):
             path = Path(root) / name
             rel = path.relative_to(folder).as_posix()
-            if name.startswith(".") or not path.is_file() or rel in checkpoint:
+            if name.startswith(".") or not path.is_file() or rel in checkpoint or rel in not_copied:
                 continue
             if rel.lower().endswith(WEIGHT_SUFFIXES) or rel.endswith(CHECKPOINT_INDEXES):
                 not_copied[rel] = "weights or training state of the original, not the converted model's"

@@ -84,6 +84,9 @@ class Rotation:
         plan: the ``RotationPlan`` it came from.
         centered: whether the conversion centered the stream first (a LayerNorm model).
         not_centered: why a LayerNorm model was not centered (then rotated uncentered, ``Q 1 = 1``), or None.
+        inputs: what the rotated model expects as ``inputs_embeds``: the map from the original's vectors
+            (``normswap.rotate.inputs.describe``, JSON-ready; ``verified`` once proved on the check's ids;
+            saved as ``normswap.rotate.inputs.FILE``), or None before it is described.
     """
 
     kind: str
@@ -94,6 +97,7 @@ class Rotation:
     centered: bool = False
     not_centered: str | None = None
     kept_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # kept-bias norm -> its float64 scale
+    inputs: dict[str, Any] | None = None
 
     @property
     def Q(self) -> torch.Tensor:  # noqa: N802 - the matrix's name in every paper
@@ -108,6 +112,21 @@ class Rotation:
             h = h - h.mean(-1, keepdim=True)
         return h @ self.Q.to(h.device)
 
+    def inputs_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        """What the rotated model expects as ``inputs_embeds`` for the original's ``embeds`` (``(..., D)``,
+        e.g. ``original.get_input_embeddings()(ids)``): the map ``inputs`` (``normswap.rotate.inputs.apply``;
+        not always ``hidden_states``: BLOOM's table was rewritten for its embedding norm, OPT's
+        ``project_in`` was rotated in the table's place). Same shape, dtype and device.
+
+        Raises:
+            ValueError: no map was described, or no exact map is known (``inputs["kind"] == "unknown"``).
+        """
+        from normswap.rotate.inputs import apply
+
+        if self.inputs is None:
+            raise ValueError("no inputs_embeds map was described for this rotation")
+        return apply(self.inputs, embeds, {name: m.values for name, m in self.matrices.items()})
+
     def saved_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors of ``ROTATION_FILE``: each matrix by its name, float64, contiguous, on the CPU."""
         return {name: m.values.contiguous().cpu() for name, m in self.matrices.items()}
@@ -120,11 +139,12 @@ class Rotation:
             "file": ROTATION_FILE,
             "matrices": {name: m.to_dict() for name, m in self.matrices.items()},
             "hidden_states": (
-                "every hidden state (the residual stream: output_hidden_states, inputs_embeds) of the "
-                "rotated model is the original's"
+                "every hidden state of the residual stream (output_hidden_states before the final norm) of "
+                "the rotated model is the original's"
                 + (" minus its mean over the features," if self.centered else "")
-                + f" times Q (h -> h Q, Q in {ROTATION_FILE})"
+                + f" times Q (h -> h Q, Q in {ROTATION_FILE}); inputs_embeds: see inputs_embeds"
             ),
+            "inputs_embeds": self.inputs,
             "centered": self.centered,
             "not_centered": self.not_centered,
             "stream_norms": list(plan.stream_sites) if plan else [],

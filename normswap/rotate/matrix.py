@@ -20,7 +20,7 @@ machine and whether or not the head rotation is asked for.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,14 +47,33 @@ class Matrix:
     kind: str
     description: str
     keeps_ones: bool = False
+    _sha256: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:
         return self.values.shape[0]
 
+    @property
+    def sha256(self) -> str:
+        """SHA-256 of ``values`` as saved: contiguous float64, little-endian, row-major (the bytes of its
+        tensor in ``normswap.rotate.ROTATION_FILE``); ``normswap check`` compares a saved file with it."""
+        if self._sha256 is None:
+            self._sha256 = digest(self.values)
+        return self._sha256
+
     def to_dict(self) -> dict:
         return {"name": self.name, "size": self.size, "kind": self.kind, "description": self.description,
-                "keeps_ones": self.keeps_ones}  # fmt: skip
+                "keeps_ones": self.keeps_ones, "sha256": self.sha256}  # fmt: skip
+
+
+def digest(values: torch.Tensor) -> str:
+    """SHA-256 of a tensor's float64 values, contiguous, little-endian, row-major (``Matrix.sha256``)."""
+    import hashlib
+
+    import numpy as np
+
+    array = values.detach().to("cpu", torch.float64).contiguous().numpy().astype("<f8", copy=False)
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
 def random_orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:

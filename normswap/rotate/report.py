@@ -27,7 +27,27 @@ def summary_lines(rotation: dict[str, Any]) -> list[str]:
     lines.append(f"          {norms} stream norms, {tensors} tensors changed; saved as {rotation['file']}")
     centered = " (centered)" if rotation.get("centered") else ""
     lines.append(f"          hidden states are the original's{centered} times Q (changed by design)")
+    lines.append("          " + inputs_line(rotation.get("inputs_embeds")))
     return lines
+
+
+def inputs_line(inputs: dict[str, Any] | None) -> str:
+    """What the rotated model expects as ``inputs_embeds``, in one line of ``normswap convert``'s summary,
+    from the rotation's ``inputs_embeds`` map (``normswap.rotate.inputs.describe``), e.g.
+    ``inputs_embeds: e -> (e - e.mean(-1, keepdim=True)) @ Q (normswap/inputs_embeds.json; proved on the
+    check's ids: max |logit diff| 2.4e-07)``."""
+    if not inputs:
+        return "inputs_embeds: no map recorded"
+    if inputs.get("kind") != "map":
+        return f"inputs_embeds: no exact map known ({inputs.get('inputs_embeds')})"
+    proof = inputs.get("verified")
+    if proof is None:
+        said = "not proved"
+    elif proof.get("passed"):
+        said = f"proved on the check's ids: max |logit diff| {proof['max_abs_diff']:.2g}"
+    else:
+        said = f"FAILED on the check's ids: max |logit diff| {proof['max_abs_diff']:.3g}"
+    return f"inputs_embeds: {inputs['map']} ({inputs.get('file')}; {said})"
 
 
 def check_saved(path: str | os.PathLike, rotation) -> list[str]:

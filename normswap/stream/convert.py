@@ -342,7 +342,13 @@ def convert_streamed(
             it is written: the hidden folder is removed, the output untouched).
     """
     from normswap.check import compare, reference_outputs, reload_original
-    from normswap.convert import ConvertReport, already_converted, stream_transform
+    from normswap.convert import (
+        ROTATED_INPUTS,
+        ConvertReport,
+        already_converted,
+        describe_inputs,
+        stream_transform,
+    )
     from normswap.fold import plan
     from normswap.io import files
     from normswap.io.save import input_manifest, report_dict
@@ -372,9 +378,8 @@ def convert_streamed(
     traced = _guarded(lambda: walk(streamed.model, walk_ids, keep_hidden_states=keep_hidden_states), source)
     if not traced.sites:
         raise NormswapError(f"{source.info.source}: no normalization modules found; nothing to convert")
-    already_converted(
-        source.info.source, streamed.model, traced.sites, norm, input_manifest(source.info.path)
-    )
+    manifest = input_manifest(source.info.path)
+    already_converted(source.info.source, streamed.model, traced.sites, norm, manifest, rotate=rotate)
     inputs.kept = carry.keep_final_norms(streamed.model, traced.sites, inputs.skipped)
     release_memory()
     reference = None
@@ -405,11 +410,11 @@ def convert_streamed(
         release_memory()
     from normswap.stream.transforms import center
 
-    if norm == "rmsnorm":
+    if dist.is_main() and (norm == "rmsnorm" or rotate is not None):  # to prove the inputs_embeds map
         from normswap.center.inputs import original_embeds
 
-        if dist.is_main() and rotate is None:  # to prove the inputs_embeds transform (as in memory)
-            embeds = _guarded(lambda: original_embeds(streamed.model, input_ids), source)
+        embeds = _guarded(lambda: original_embeds(streamed.model, input_ids), source)
+    if norm == "rmsnorm":
         progress.note("centering the LayerNorms' inputs (streamed) ...")
         centered = _guarded(lambda: center(streamed, traced, walk_ids, untie=untie), source)
         release_memory()
@@ -441,6 +446,7 @@ def convert_streamed(
         rotation = rotate_streamed(streamed, rotation_plan, traced.sites, folding, rotate, rotate_seed)
         rotation.centered = centered is not None and centered.note is None
         rotation.not_centered = not_centered
+        describe_inputs(streamed.model, rotation, centered)
         stream_sites = set(rotation_plan.stream_sites)  # folded in the rotation's float64 pass
         writes = dataclasses.replace(folding, sites=[s for s in folding.sites if s.name not in stream_sites])
     plans = tensor_plans(streamed, writes, source.dtype)
@@ -471,6 +477,8 @@ def convert_streamed(
             centering=centered.to_dict() if centered is not None and centered.note is None else None,
             rotation=rotation,
         )  # fmt: skip
+        if report.centering is not None and rotation is not None:
+            report.centering["inputs"] = dict(ROTATED_INPUTS)
         for site in traced.sites:
             if site.foldable and not site.folded:
                 site.reason = site.reason or "not folded"
@@ -499,14 +507,22 @@ def convert_streamed(
                 ),
                 source,
             )
-            if centered is not None:  # centering.json, proved on the check's ids as in memory
+            extra = {}
+            if rotation is not None:  # normswap/inputs_embeds.json, proved on the check's ids as in memory
+                from normswap.rotate.inputs import prove as prove_rotated
+
+                matrices = {name: m.values for name, m in rotation.matrices.items()}
+                extra = _guarded(lambda: prove_rotated(rotation.inputs, reference, converted.model, embeds,
+                                                       matrices, checked), source)  # fmt: skip
+            elif centered is not None:  # centering.json, proved on the check's ids as in memory
                 from normswap.center.inputs import prove
 
                 extra = _guarded(
                     lambda: prove(report.centering, reference, converted.model, embeds, checked), source
                 )
-                for name, text in extra.items():
-                    files.write_text(built / name, text)
+            for name, text in extra.items():
+                (built / name).parent.mkdir(parents=True, exist_ok=True)
+                files.write_text(built / name, text)
             reference = embeds = None
             passed = bool(checked.passed)
             expected = None
