@@ -161,8 +161,8 @@ def _in_child(source: str, cases: list[str]) -> dict:
         rest = [c for c in cases if c not in results]
         with tempfile.TemporaryDirectory() as tmp:
             file = Path(tmp) / "row.json"
-            done = subprocess.run([sys.executable, __file__, "row", source, str(file), *rest], capture_output=True,
-                                  text=True)  # fmt: skip
+            command = [sys.executable, __file__, "row", source, str(file), *rest]
+            done = subprocess.run(command, capture_output=True, text=True)
             if file.exists():
                 results |= json.loads(file.read_text())
             else:  # the first case crashed the process: record it and go on with the others
