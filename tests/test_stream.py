@@ -90,10 +90,11 @@ def assert_verified(folder: Path, output: str) -> dict:
     return verify
 
 
-# Four rows cover the kinds (tied lm_head, (1+w) sandwich norms, Conv1D, matmul on a derived weight) in
-# every run; the other five are marked ``slow`` (deselected by default: `python -m pytest -m slow`).
+# Five rows cover the kinds (tied lm_head, (1+w) sandwich norms, Conv1D, matmul on a derived weight, a
+# per-head norm with a [heads, head_dim] scale: resident, so the probe reads its values) in every run; the
+# other five are marked ``slow`` (deselected by default: `python -m pytest -m slow`).
 _SLOW = pytest.mark.slow
-STREAM_ROWS = ["llama-tied", "gemma2", "gpt2", "falcon-new"] + [
+STREAM_ROWS = ["llama-tied", "gemma2", "gpt2", "falcon-new", "cohere-qknorm"] + [
     pytest.param(name, marks=_SLOW) for name in ("llama", "gemma-tied", "qwen3", "phi3", "olmo2")
 ]
 

@@ -1,8 +1,9 @@
 """A model whose large weights stay on disk and are read as each module runs.
 
 The model is built from its config with accelerate's ``init_empty_weights`` (no weight memory). Parameters of
-at most one dimension (norm scales and biases, linear biases) are read once and stay resident, so the probe,
-the fold plan and the fused modules see the real norm parameters. Every larger parameter becomes a
+at most one dimension (norm scales and biases, linear biases), and larger ones no bigger than those (a
+per-head norm's ``[heads, head_dim]`` scale: ``resident_parameters``), are read once and stay resident, so
+the probe, the fold plan and the fused modules see the real norm parameters. Every larger parameter becomes a
 *released placeholder*: a tensor of the right shape, dtype and device whose storage holds no bytes. A forward
 pre-hook on each module that holds such a parameter reads it from the checkpoint just before the module runs
 (cast to the placeholder's current dtype, so ``check.upcast`` works), and a forward hook releases the storage
@@ -102,7 +103,7 @@ class Streamed:
         skipped: checkpoint tensors the model class does not hold and transformers' loader drops by design
             (``normswap.io.carry.loader_ignores``: a multi-token-prediction layer), in checkpoint order; the
             conversion writes them unchanged.
-        held, peak: bytes of weights on the model's device now, and at most so far (the resident 1-D
+        held, peak: bytes of weights on the model's device now, and at most so far (the resident
             parameters and buffers, plus the weights of the modules running).
         loaded_as: checkpoint tensor name -> the model tensor name it loads as (``checkpoint_names``).
         saved_name: a model tensor name -> the name ``save_pretrained`` writes it under.
@@ -213,6 +214,16 @@ def checkpoint_names(model: nn.Module, tensors) -> tuple[dict[str, str], Callabl
     return loaded, saved_name
 
 
+def resident_parameters(model: nn.Module) -> set[int]:
+    """Ids of the parameters that stay resident: every one of at most one dimension (norm scales, biases),
+    and every larger one with no more elements than the largest of those (a per-head norm's
+    ``[heads, head_dim]`` scale, a small router), so that each norm the probe copies has its values; the
+    memory they hold is bounded like the 1-D ones'. Every other parameter is released between forwards."""
+    params = list(model.parameters())
+    vector = max((p.numel() for p in params if p.ndim <= 1), default=0)
+    return {id(p) for p in params if p.ndim <= 1 or p.numel() <= vector}
+
+
 def _nbytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
@@ -294,6 +305,7 @@ def build(
     streamed = Streamed(model, reader, keys, skipped=sorted(skipped, key=order.__getitem__),
                         loaded_as={v: k for k, v in loaded.items()}, saved_name=saved)  # fmt: skip
     replaced: dict[int, nn.Parameter] = {}  # id of the meta Parameter -> its stand-in (tied ones stay shared)
+    keep = resident_parameters(model)
     for mod_name, module in model.named_modules(remove_duplicate=False):
         attrs = {}
         for attr, p in module._parameters.items():
@@ -301,12 +313,12 @@ def build(
                 continue
             name = f"{mod_name}.{attr}" if mod_name else attr
             if id(p) not in replaced:
-                if p.ndim <= 1:
+                if id(p) in keep:
                     replaced[id(p)] = resident(reader.read(keys[name], dtype, device), keys[name], reader)
                 else:
                     replaced[id(p)] = stand_in(p.shape, dtype, device, keys[name], reader)
             module._parameters[attr] = replaced[id(p)]
-            if p.ndim > 1:
+            if id(p) not in keep:
                 attrs[attr] = keys[name]
         if attrs:
             streamed.handles.append(module.register_forward_pre_hook(
