@@ -2,6 +2,7 @@
 
 Public API::
 
+    result = normswap.convert_pretrained("smollm2-135m", "out", rotate="hadamard")  # = normswap convert
     sites = normswap.inspect(model)                 # list[NormSite], changes nothing
     report = normswap.convert(model)                # in place: fold + swap; ConvertReport
     result = normswap.check(original, converted, input_ids)   # CheckResult
@@ -23,12 +24,16 @@ __version__ = "0.1.0"
 _LAZY = {
     "CenteringError": "normswap.center",
     "Consumer": "normswap.sites",
+    "ConvertOptions": "normswap.config",
     "ConvertReport": "normswap.convert",
+    "ConvertResult": "normswap.pipeline",
     "NormSite": "normswap.sites",
     "NormswapError": "normswap.errors",
+    "OptionError": "normswap.config",
     "RotationError": "normswap.rotate",
     "check": "normswap.check",
     "convert": "normswap.convert",
+    "convert_pretrained": "normswap.pipeline",
     "inspect": "normswap.convert",
     "load_pretrained": "normswap.io",
 }

@@ -18,27 +18,11 @@ from pathlib import Path
 import click
 
 from normswap import progress
+from normswap.config import cli_wording
 from normswap.errors import NormswapError
 from normswap.options import OutputPath, device_option, model_name, size_option
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-# Python arguments named in the library's errors -> the options that set them here
-_API_TO_CLI = {
-    "overwrite=True": "--overwrite",
-    "trust_remote_code=True": "--trust-remote-code",
-    "keep_hidden_states=True": "--keep-hidden-states",
-    "norm='rmsnorm'": "--norm rmsnorm",
-    "rotate=...": "--rotate",
-}
-
-
-def _cli_wording(message: str) -> str:
-    """A library error's line with its Python arguments (``overwrite=True``) named as CLI options."""
-    for api, option in _API_TO_CLI.items():
-        message = message.replace(api, option)
-    return message
 
 
 class _Interrupted(BaseException):
@@ -82,7 +66,7 @@ class _Group(click.Group):
         except NormswapError as error:
             if _signals.seen:  # a library turned the KeyboardInterrupt into an error (see _Signals)
                 raise _Interrupted from error
-            click.echo(f"normswap: error: {_cli_wording(str(error))}", err=True)
+            click.echo(f"normswap: error: {cli_wording(str(error))}", err=True)
             ctx.exit(2)
         except SystemExit:  # the command chose its exit code after its work
             ctx.meta[_INTERRUPT] = "finished"
@@ -417,255 +401,29 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
             keep_hidden_states):  # fmt: skip
     """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
     stages = _stages(output)  # before the imports: an interrupt names the output from the start
-    from normswap import io
-    from normswap.center.inputs import original_embeds
-    from normswap.center.inputs import prove as prove_inputs_transform
-    from normswap.check import compare, reference_outputs, reload_original
-    from normswap.convert import (
-        KEEP_VS_CENTER,
-        KEEP_VS_ROTATE,
-        already_converted,
-        no_norms_message,
-        stream_transform,
-    )
-    from normswap.convert import convert as convert_model
-    from normswap.io import carry
-    from normswap.rotate import ROTATION_FILE, check_saved, rotate_reference
-    from normswap.rotate.inputs import prove as prove_rotated_inputs
-    from normswap.walk import short_inputs, walk
+    from normswap.config import ConvertOptions, OptionError
+    from normswap.pipeline import convert_pretrained
 
     _quiet_transformers()
-    if rotate is None and (rotate_heads or rotate_seed != 0):
-        raise click.UsageError("--rotate-heads and --rotate-seed need --rotate hadamard|random")
-    if keep_hidden_states and norm == "rmsnorm":
-        raise NormswapError(_cli_wording(KEEP_VS_CENTER))
-    if keep_hidden_states and rotate is not None:
-        raise NormswapError(_cli_wording(KEEP_VS_ROTATE))
-    io.check_output_dir(output, model, overwrite=overwrite)
-    report_file = None  # written by its absolute path: `--output .` may exchange the working directory
-    if report is not None:
-        report_file = io.check_output_file(report, [model], output)
-    options = dict(norm=norm, dtype=dtype, trust_remote_code=trust_remote_code, tokens=tokens, force=force,
-                   overwrite=overwrite, no_untie=no_untie, keep_hidden_states=keep_hidden_states)  # fmt: skip
-    stages.start("load", f"{model} ({dtype})")  # one stage: in memory or streamed, then the load itself
-    if _convert_streamed(
-        model, output, report, max_memory, no_stream, device=device, device_map=device_map,
-        tokenizer=tokenizer_name, report_file=report_file, stages=stages, rotate=rotate,
-        rotate_seed=rotate_seed, rotate_heads=rotate_heads, **options,
-    ):  # fmt: skip
-        return
-    loaded = io.load_model(
-        model,
-        dtype=dtype,
-        trust_remote_code=trust_remote_code,
-        tokenizer=True,  # the model's own, saved with the output; --tokenizer only tokenizes the check's text
-        device=device,
-        device_map=device_map,
-    )
-    check_tokenizer = loaded.tokenizer
-    if tokenizer_name is not None:
-        check_tokenizer = io.load_tokenizer(
-            io.resolve(model), tokenizer_name, trust_remote_code=trust_remote_code
-        )
-    stages.stop(f"{loaded.info.architecture} from {loaded.info.path}")
-    inputs = carry.gather(loaded.info, loaded.model)  # tensors the class does not run, other files, shards
-    if norm != "keep" or rotate is not None:
-        option = f"--norm {norm}" if rotate is None else f"--rotate {rotate}"
-        carry.refuse_changed_stream(model, loaded.model, inputs.skipped, option)
-    input_ids, check_input = _check_ids(model, loaded.model.config, check_tokenizer, tokens, loaded.model)
-    stages.start("walk", "finding the norms and their consumers")
-    # the dataflow does not depend on the length
-    traced = walk(loaded.model, short_inputs(input_ids), keep_hidden_states=keep_hidden_states)
-    if not traced.sites:
-        raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
-    manifest = io.input_manifest(loaded.info.path) if loaded.info.kind == "dir" else None
-    already_converted(model, loaded.model, traced.sites, norm, manifest, rotate=rotate)
-    inputs.kept = carry.keep_final_norms(loaded.model, traced.sites, inputs.skipped)
-    on = f"random {check_input['input']}" if "input" in check_input else f"{input_ids.shape[-1]} tokens"
-    stages.start("reference", f"running the original on {on}")
-    reload = functools.partial(io.load_model, model, dtype=dtype, trust_remote_code=trust_remote_code,
-                               tokenizer=False, device=device, device_map=device_map)  # fmt: skip
-    reference = reference_outputs(loaded.model, input_ids, sites=traced.sites,
-                                  rerun=reload_original(lambda: reload().model))  # fmt: skip
-    # the original's embeddings, to prove the inputs_embeds map of a centered or rotated model
-    # (centering.json, normswap/inputs_embeds.json); taken before the conversion changes the table
-    embeds = original_embeds(loaded.model, input_ids) if norm == "rmsnorm" or rotate is not None else None
-    stages.start("convert", "folding and swapping the norms" + (f", rotating ({rotate})" if rotate else ""))
-    traced_with = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
-    with _rotation_refused():
-        result = convert_model(loaded.model, norm=norm, untie=not no_untie, traced=traced, rotate=rotate,
-                               rotate_seed=rotate_seed, rotate_heads=rotate_heads,
-                               keep_hidden_states=keep_hidden_states, **traced_with)  # fmt: skip
-    if result.rotation is not None:  # the original's stream records, as the rotated model computes them
-        rotate_reference(reference, result.rotation)
-    stages.start("check", "comparing the converted model's outputs with the original's")
-    checked = compare(reference, loaded.model, input_ids, transform=stream_transform(result),
-                      keep_hidden_states=keep_hidden_states)  # fmt: skip
-    if result.rotation is None:
-        extra_files = prove_inputs_transform(result.centering, reference, loaded.model, embeds, checked)
-    else:
-        matrices = {name: m.values for name, m in result.rotation.matrices.items()}
-        extra_files = prove_rotated_inputs(result.rotation.inputs, reference, loaded.model, embeds, matrices,
-                                           checked)  # fmt: skip
-    result.check = checked.to_dict()
-    report_dict = io.report_dict(result, loaded.info)
-    report_dict["check_input"] = check_input
-    if inputs:
-        report_dict["carried"] = inputs.to_dict()
-    _note_check_text(report_dict, tokenizer_name)
-    passed = bool(checked.passed)
-    saved = passed or force
-    stages.stop()
-    if saved:
-        del traced, reference
-        rotation = result.rotation
-        extra = {} if rotation is None else {ROTATION_FILE: rotation.saved_tensors()}
-        try:  # written and verified beside OUT; OUT is replaced only then (io.staging)
-            verified = io.save_and_verify(
-                loaded, report_dict, output, input_ids, overwrite=overwrite, force=force, inputs=inputs,
-                input_path=model, trust_remote_code=trust_remote_code, stages=stages, extra_tensors=extra,
-                extra_files=extra_files,
-                check_extra=None if rotation is None else lambda folder: check_saved(folder, rotation),
-            )  # fmt: skip
-        except NormswapError:
-            if report is not None:  # the report still tells what was converted, where it can be written
-                report_dict["saved"] = False
-                report_dict["timings"] = dict(stages.timings)
-                with contextlib.suppress(NormswapError):
-                    io.write_json(report_file, report_dict)
-            raise
-        saved = verified.passed or force
-        if inputs:  # what was copied is known only after the save
-            report_dict["carried"] = inputs.to_dict()
-        else:
-            report_dict.pop("carried", None)
-    stages.stop()
-    report_dict["timings"] = dict(stages.timings)
-    report_dict["saved"] = saved
-    if report is not None:
-        io.write_json(report_file, report_dict)
-    click.echo(_summary(report_dict, output if saved else None, report))
-    _finished()
-    verify_failed = not report_dict.get("verify", {}).get("passed", True)
-    if not passed or verify_failed:
-        what = "check FAILED" if not passed else "verification of the saved checkpoint FAILED"
-        click.echo(
-            f"normswap: {what}" + ("; saved anyway (--force)" if force else "; nothing saved"), err=True
-        )
-        raise SystemExit(1)
-
-
-def _convert_streamed(model, output, report, max_memory, no_stream, *, device, device_map, tokenizer,
-                      report_file, stages, rotate, rotate_seed, rotate_heads, norm, dtype, trust_remote_code,
-                      tokens, force, overwrite, no_untie, keep_hidden_states) -> bool:  # fmt: skip
-    """False when the model is converted in memory (``normswap.memory.decide``: ``--no-stream``, weights
-    within ``--max-memory``, or an estimated peak that fits the memory available), else the streamed
-    conversion (``normswap.stream``, on ``--device``), with the same outputs, messages and exit codes (a
-    rotation too: the same tensors, matrices and records as in memory); ``--device-map`` with
-    ``--max-memory`` is refused in one line."""
-    from normswap import io, memory
-    from normswap.device import resolve_device
-    from normswap.stream import convert as stream
-    from normswap.stream import dist
-
-    target = resolve_device(device)  # an unknown device is refused before anything is read
-    if device_map is not None:  # the user places the model: in memory
-        if max_memory is not None:
-            raise NormswapError("--device-map is not available when streaming (--max-memory); give --device")
-        return False
-    choice = memory.decide(  # within the load stage: shard headers, config, tokenizer
-        model, dtype, max_memory=max_memory, no_stream=no_stream, untie=not no_untie, norm=norm,
-        tokens=tokens, device=str(target), trust_remote_code=trust_remote_code, tokenizer=tokenizer,
-        rotate=rotate is not None,
-    )  # fmt: skip
-    if not choice.stream:
-        return False
-    source = choice.source
-    if choice.reason and dist.is_main():
-        click.echo(f"normswap: {model}: {choice.reason}", err=True)
-    target = dist.device(target)
-    budget = max_memory if max_memory is not None else _size(choice.budget)
-    progress.note(
-        f"streaming: budget {budget}, {_size(source.nbytes)} of weights in "
-        f"{len(source.reader.files)} shard(s), on {target}"
-    )
-    input_ids, check_input = _check_ids(model, source.config, source.check_tokenizer, tokens)
-    with _rotation_refused():
-        report_dict, passed = stream.convert_streamed(
-            source, output, input_ids, untie=not no_untie, force=force, overwrite=overwrite, stages=stages,
-            keep_hidden_states=keep_hidden_states, norm=norm, device=target, choice=choice, rotate=rotate,
-            rotate_seed=rotate_seed, rotate_heads=rotate_heads, check_input=check_input,
-        )  # fmt: skip
-    report_dict["check_input"] = check_input
-    _note_check_text(report_dict, tokenizer)
-    if not dist.is_main():
-        if not passed:
-            raise SystemExit(1)
-        return True
-    verify_failed = not report_dict.get("verify", {}).get("passed", True)
-    saved = (passed and not verify_failed) or force
-    report_dict["saved"] = saved
-    if report is not None:
-        io.write_json(report_file, report_dict)
-    click.echo(_summary(report_dict, output if saved else None, report))
-    _finished()
-    if not passed or verify_failed:
-        what = "check FAILED" if not passed else "verification of the saved checkpoint FAILED"
-        click.echo(
-            f"normswap: {what}" + ("; saved anyway (--force)" if force else "; nothing saved"), err=True
-        )
-        raise SystemExit(1)
-    return True
-
-
-@contextlib.contextmanager
-def _rotation_refused():
-    """A refused rotation of the residual stream (``RotationError``; not the heads' alone) names the fix."""
-    from normswap.rotate import RotationError
-    from normswap.rotate.heads import HeadRotationError
-
     try:
-        yield
-    except HeadRotationError:
+        options = ConvertOptions(
+            norm=norm, dtype=dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code,
+            tokens=tokens, tokenizer=tokenizer_name, force=force, overwrite=overwrite, untie=not no_untie,
+            keep_hidden_states=keep_hidden_states, rotate=rotate, rotate_seed=rotate_seed,
+            rotate_heads=rotate_heads, max_memory=max_memory, no_stream=no_stream,
+        )  # fmt: skip
+    except OptionError as error:
+        if error.usage:
+            raise click.UsageError(cli_wording(str(error))) from None
         raise
-    except RotationError as error:
-        raise NormswapError(
-            f"{error}; convert without --rotate: the norms are still folded (where exact) and swapped"
-        ) from error
-
-
-def _note_check_text(report_dict: dict, tokenizer: str | None) -> None:
-    """Add a ``note`` to the report's ``check_input`` when the original's perplexity on the check text says
-    the text means little to it (``check.inputs.implausible_text``), for a ``--tokenizer`` or a failed check
-    (a random-weight model that passes needs no note)."""
-    from normswap.check.inputs import implausible_text
-
-    check = report_dict.get("check") or {}
-    check_input = report_dict.get("check_input") or {}
-    if check_input.get("source") != "text" or (tokenizer is None and check.get("passed")):
-        return
-    note = implausible_text(check.get("ppl_original"), tokenizer)
-    if note:
-        check_input["note"] = note
-
-
-def _check_ids(model: str, config, tokenizer, tokens: int | None, loaded=None):
-    """The check's token ids for a model of ``config`` and how they were made (for the report); bad
-    tokenizers and over-long requests are bad input (exit 2). Without a tokenizer: ids drawn from the
-    vocabulary. A ``loaded`` model that reads a waveform or an image: a fixed random one instead
-    (``normswap.check.inputs.signal_check_inputs``)."""
-    from normswap.check import VOCABULARY_SEED
-    from normswap.check.inputs import command_input_ids, signal_check_inputs, vocabulary_size
-
-    signal = None if loaded is None else signal_check_inputs(model, loaded, tokens)
-    if signal is not None:
-        return signal
-
-    ids = command_input_ids(model, config, tokenizer, tokens)
-    if tokenizer is None:
-        return ids, {"source": "vocabulary", "vocab_size": vocabulary_size(config), "seed": VOCABULARY_SEED,
-                     "reason": "no tokenizer files"}  # fmt: skip
-    return ids, {"source": "text", "tokenizer": str(getattr(tokenizer, "name_or_path", None) or model)}
+    result = convert_pretrained(model, output, report=report, stages=stages, options=options)
+    if result.main:
+        click.echo(result.summary)
+    _finished()
+    if result.failure is not None:
+        if result.main:
+            click.echo(f"normswap: {result.failure}", err=True)
+        raise SystemExit(result.exit_code)
 
 
 @main.command()
@@ -730,111 +488,6 @@ def _site_table(sites) -> str:
     if maps:
         lines.append("per-channel maps y = x * scale + shift (running mean/var, as measured):")
         lines += maps
-    return "\n".join(lines)
-
-
-def _fmt(value, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def _size(nbytes: int) -> str:
-    """``32768`` -> ``"32.0 KiB"`` (``progress.size``)."""
-    return progress.size(nbytes)
-
-
-def _contract_lines(check: dict, report: dict) -> list[str]:
-    """``contract:`` lines of ``check`` (the report's): per returned output (runs grouped), same or changed
-    by design and why."""
-    from normswap.check.contract import BY_DESIGN, lines
-
-    contract = check.get("contract") or []
-    if not contract:
-        return []
-    out = [("contract: " if i == 0 else " " * 10) + line for i, line in enumerate(lines(contract, check))]
-    folded = any(e["status"] == BY_DESIGN and not e.get("relation") for e in contract)
-    # centering and rotation move the stream by design, which --keep-hidden-states refuses: no hint then
-    moved = report.get("rotation") or (report.get("centering") or {}).get("sites")
-    if folded and not report.get("keep_hidden_states") and not moved:
-        out.append(" " * 10 + "(--keep-hidden-states keeps every hidden state the original's)")
-    return out
-
-
-def _summary(report: dict, output: Path | None, report_path: Path | None) -> str:
-    """The short human summary printed after ``convert``: norms, untying, check numbers, where things went."""
-    lines = [
-        f"model:    {report.get('model')} ({report.get('dtype', '?')})",
-        f"norms:    {report['norms_found']} found, {report['norms_folded']} folded, "
-        f"{report['norms_swapped']} swapped",
-    ]
-    untied = report.get("untied") or []
-    if untied:
-        lines.append(f"untied:   {', '.join(untied)} (+{_size(report.get('untie_bytes') or 0)})")
-    rotation = report.get("rotation")
-    if rotation:
-        from normswap.rotate import summary_lines
-
-        lines += summary_lines(rotation)
-    check_input = report.get("check_input") or {}
-    if check_input.get("source") == "vocabulary":
-        lines.append(
-            f"input:    ids drawn from the vocabulary ({check_input['vocab_size']} ids, torch seed "
-            f"{check_input['seed']}): {check_input['reason']}; --tokenizer gives real text"
-        )
-    if check_input.get("source") == "random":
-        shape = "x".join(str(n) for n in check_input["shape"])
-        lines.append(
-            f"input:    {check_input['input']} {shape} ~ N(0, 1), torch seed {check_input['seed']}: "
-            f"{check_input['reason']}"
-        )
-    check = report.get("check") or {}
-    if check:
-        output_name = {"logits": "logit", "last_hidden_state": "hidden state"}.get(
-            check.get("output"), "logit"
-        )
-        from normswap.check.policy import verdict_line
-
-        numbers = [f"max |{output_name} diff| {_fmt(check.get('max_abs_logit_diff'), '.3g')}"]
-        if check.get("kl_mean") is not None:
-            numbers.append(f"KL {check['kl_mean']:.3g}, top-1 {_fmt(check.get('top1_agreement'), '.2%')}")
-        if check.get("ppl_original") is not None:
-            numbers.append(f"ppl {check['ppl_original']:.4f} -> {_fmt(check.get('ppl_converted'), '.4f')}")
-        unit = "output rows" if check_input.get("source") == "random" else "tokens"
-        lines.append(f"check:    {check.get('tokens')} {unit}, " + ", ".join(numbers))
-        lines.append(f"          {verdict_line(check)}")
-        for failure in check.get("failures") or []:
-            lines.append(f"          - {failure}")
-        if check.get("divergence"):
-            lines.append(f"          first divergence: {check['divergence'].get('description')}")
-        lines += _contract_lines(check, report)
-    carried = report.get("carried") or {}
-    if carried.get("tensors"):
-        names = carried["tensors"]
-        kept = carried.get("norms_kept_unfolded") or []
-        lines.append(
-            f"carried:  {len(names)} tensor{'s' if len(names) > 1 else ''} the model class does not run, "
-            f"copied unchanged ({names[0]}"
-            + (", ...)" if len(names) > 1 else ")")
-            + (f"; {', '.join(kept)} kept unfolded: they may read its output" if kept else "")
-        )
-    if carried.get("files") or carried.get("not_copied"):
-        copied = ", ".join(carried.get("files") or []) or "none"
-        skipped = "; not copied: " + ", ".join(carried["not_copied"]) if carried.get("not_copied") else ""
-        lines.append(f"copied:   {copied} (other files of the input){skipped}")
-    if check_input.get("note"):
-        lines.append(f"note:     {check_input['note']}")
-    if output is not None:
-        lines.append(f"saved:    {output}")
-    verify = report.get("verify")
-    if verify:
-        from normswap.io.verify import describe
-
-        lines.append(f"verified: {describe(verify)}")
-    if report_path is not None:
-        lines.append(f"report:   {report_path}")
-    timings = report.get("timings") or {}
-    if timings:
-        stages = ", ".join(f"{name} {seconds:.1f}" for name, seconds in timings.items())
-        lines.append(f"time:     {progress.seconds(sum(timings.values()))} ({stages})")
     return "\n".join(lines)
 
 

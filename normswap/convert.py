@@ -11,21 +11,13 @@ import torch
 from torch import nn
 
 from normswap.affine_fold import fold_affine, plan_affine
+from normswap.config import KEEP_VS_CENTER, KEEP_VS_ROTATE, NORM_CHOICES
 from normswap.errors import NormswapError
 from normswap.fold import fold_site, plan, scale_and_shift, untie_checked
 from normswap.sites import NormSite
 from normswap.swap import swap_norms
 from normswap.walk import ExampleInputs, Walk, walk
 
-NORM_CHOICES = ("keep", "rmsnorm")
-KEEP_VS_CENTER = (
-    "norm='rmsnorm' centers the residual stream, which moves every hidden state by its mean: it cannot keep "
-    "the hidden states (keep_hidden_states=True); drop one of the two"
-)
-KEEP_VS_ROTATE = (
-    "rotate=... rotates the residual stream, which turns every hidden state h into h Q: it cannot keep the "
-    "hidden states (keep_hidden_states=True); drop one of the two"
-)
 log = logging.getLogger("normswap")
 
 

@@ -81,18 +81,25 @@ class OutputPath(click.Path):
 
     def convert(self, value, param, ctx):
         if isinstance(value, str):
-            if not value.strip():
-                what = "directory" if self.directory else "file"
-                raise NormswapError(f"{_name(param)} is empty; name a {what}")
-            if self.directory and value.lower().rstrip("/").endswith(_FILE_SUFFIXES):
-                name = value.rstrip("/")
-                stem = name.rsplit(".", 1)[0] or "converted"
-                raise NormswapError(
-                    f"{_name(param)} {name!r} names a file, but the converted checkpoint is a directory "
-                    f"(config.json, model.safetensors, normswap.json, ...); name a directory, e.g. "
-                    f"{stem + '-normswap'!r}"
-                )
+            problem = output_problem(_name(param), value, directory=self.directory)
+            if problem:
+                raise NormswapError(problem)
         return super().convert(value, param, ctx)
+
+
+def output_problem(name: str, value: str, *, directory: bool) -> str | None:
+    """Why ``value`` cannot be the output ``name`` (``--output``: a ``directory``, or a report file), or
+    None: an empty value (the current directory), a directory named like a model file."""
+    if not value.strip():
+        return f"{name} is empty; name a {'directory' if directory else 'file'}"
+    if directory and value.lower().rstrip("/").endswith(_FILE_SUFFIXES):
+        name_ = value.rstrip("/")
+        stem = name_.rsplit(".", 1)[0] or "converted"
+        return (
+            f"{name} {name_!r} names a file, but the converted checkpoint is a directory (config.json, "
+            f"model.safetensors, normswap.json, ...); name a directory, e.g. {stem + '-normswap'!r}"
+        )
+    return None
 
 
 def model_name(ctx, param, value):

@@ -45,6 +45,11 @@ def note(message: str) -> None:
         print(f"normswap: {message}", file=sys.stderr, flush=True)
 
 
+def say(message: str) -> None:
+    """Write ``normswap: {message}`` to stderr, progress lines on or off (a decision the user must see)."""
+    print(f"normswap: {message}", file=sys.stderr, flush=True)
+
+
 def seconds(value: float) -> str:
     """``0.042`` -> ``"0.04 s"``, ``11.93`` -> ``"11.9 s"``, ``183.2`` -> ``"3 min 3 s"``."""
     if value < 1:

@@ -25,6 +25,7 @@ from normswap.cli import main
 # ``normswap.convert`` / ``normswap.check`` name the public functions; the CLI imports from the modules.
 convert_module = importlib.import_module("normswap.convert")
 check_module = importlib.import_module("normswap.check")
+pipeline = importlib.import_module("normswap.pipeline")
 REPO = Path(__file__).resolve().parents[1]
 
 REPORT_KEYS = {"model", "norms_found", "norms_folded", "norms_swapped", "sites", "check"}
@@ -170,7 +171,7 @@ def test_model_without_norms(tiny_gguf, tmp_path, monkeypatch):
     def no_norms(model, input_ids=None, **options):
         return normswap.walk.Walk(sites=[], param_uses={}, owners={}, untouched=[])
 
-    monkeypatch.setattr(normswap.walk, "walk", no_norms)
+    monkeypatch.setattr(pipeline, "walk", no_norms)
     result = run("convert", tiny_gguf, "--output", tmp_path / "out")
     assert_bad_input(result, "no normalization module")
     assert not (tmp_path / "out").exists()
@@ -248,7 +249,7 @@ def test_check_failure_exits_1_and_saves_nothing(tiny_gguf, tmp_path, monkeypatc
         result.passed, result.failures = False, ["forced failure for the test"]
         return result
 
-    monkeypatch.setattr(check_module, "compare", failing)
+    monkeypatch.setattr(pipeline, "compare", failing)
     out, report = tmp_path / "out", tmp_path / "r.json"
     result = run("convert", tiny_gguf, "--output", out, "--report", report, "--tokens", "32")
     assert result.exit_code == 1

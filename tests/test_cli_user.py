@@ -30,6 +30,7 @@ from normswap.errors import NormswapError
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ["load", "walk", "reference", "convert", "check", "save", "verify"]
 check_module = importlib.import_module("normswap.check")
+pipeline = importlib.import_module("normswap.pipeline")
 
 
 def run(*args: str):
@@ -367,6 +368,9 @@ def test_ctrl_c_signal_in_a_real_process(sig, tiny_gguf, tmp_path):
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=300)
         output = tmp_path / f"o{i}"
+        if "init_import_site" in err:  # on a loaded machine the signal can land in Python's own start-up
+            assert proc.returncode == 1 and not output.exists(), err
+            continue
         # killed by the signal (the shell shows 130 / 143 too): before Python's handler is in place, or as the
         # interpreter exits after the line (Python ends an uncaught interrupt by the signal itself)
         assert proc.returncode in (code, 0, -sig), (delay, proc.returncode, err)
@@ -422,7 +426,7 @@ def test_implausible_check_text_gets_a_note(tiny_gguf, tmp_path, monkeypatch):
         result.passed, result.failures, result.ppl_original = False, ["forced"], 5.1e7
         return result
 
-    monkeypatch.setattr(check_module, "compare", failing)
+    monkeypatch.setattr(pipeline, "compare", failing)
     report = tmp_path / "r.json"
     result = run("convert", tiny_gguf, "-o", tmp_path / "out", "--tokens", "64", "--report", report)
     assert result.exit_code == 1

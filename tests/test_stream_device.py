@@ -21,7 +21,7 @@ import torch
 from conftest import make_tiny_model
 from test_stream import TOKENS, assert_same_checkpoint, assert_verified, run, save_sharded, tokenizer  # noqa: F401
 
-import normswap.device
+import normswap.pipeline
 from normswap.stream import convert as stream_convert
 from normswap.stream import dist
 from normswap.stream.shards import CheckpointReader
@@ -46,7 +46,7 @@ def test_gpu_streaming_dry_run(model_type, norm, extra, tokenizer, tmp_path, mon
 
     fake_gpu = torch.device("cpu")  # the device object --device cuda resolves to
     asked = []
-    monkeypatch.setattr(normswap.device, "resolve_device", lambda spec: asked.append(spec) or fake_gpu)
+    monkeypatch.setattr(normswap.pipeline, "resolve_device", lambda spec: asked.append(spec) or fake_gpu)
     real_convert = stream_convert.convert_streamed
 
     def guarded(*args, **kwargs):

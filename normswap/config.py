@@ -1,0 +1,157 @@
+"""The options of a conversion as one validated object (``ConvertOptions``); imports no torch.
+
+``normswap convert``'s flags and ``normswap.convert_pretrained``'s keyword arguments are the same options
+(``--no-untie`` is ``untie=False``, ``--tokenizer`` is ``tokenizer``); every combination that cannot work is
+refused here, in one place, before anything is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from normswap.errors import NormswapError
+from normswap.options import DTYPE_CHOICES, parse_size
+
+NORM_CHOICES = ("keep", "rmsnorm")
+ROTATE_KINDS = ("hadamard", "random")
+KEEP_VS_CENTER = (
+    "norm='rmsnorm' centers the residual stream, which moves every hidden state by its mean: it cannot keep "
+    "the hidden states (keep_hidden_states=True); drop one of the two"
+)
+KEEP_VS_ROTATE = (
+    "rotate=... rotates the residual stream, which turns every hidden state h into h Q: it cannot keep the "
+    "hidden states (keep_hidden_states=True); drop one of the two"
+)
+ROTATE_ONLY = "rotate_heads=True and rotate_seed=... need rotate='hadamard'|'random'"
+DEVICE_MAP_VS_STREAM = "device_map=... is not available when streaming (max_memory=...); give device=..."
+
+# an option's Python wording in a message -> its CLI wording (``cli_wording``)
+_API_TO_CLI = {
+    "rotate_heads=True": "--rotate-heads",
+    "rotate_seed=...": "--rotate-seed",
+    "rotate='hadamard'|'random'": "--rotate hadamard|random",
+    "device_map=...": "--device-map",
+    "max_memory=...": "--max-memory",
+    "device=...": "--device",
+    "overwrite=True": "--overwrite",
+    "trust_remote_code=True": "--trust-remote-code",
+    "keep_hidden_states=True": "--keep-hidden-states",
+    "norm='rmsnorm'": "--norm rmsnorm",
+    "rotate=...": "--rotate",
+}
+
+
+def cli_wording(message: str) -> str:
+    """A library error's line with its Python arguments (``overwrite=True``) named as CLI options."""
+    for api, option in _API_TO_CLI.items():
+        message = message.replace(api, option)
+    return message
+
+
+class OptionError(NormswapError, ValueError):
+    """Options that cannot go together, or a value out of range (one line; the CLI exits 2).
+
+    ``usage`` is True for a combination of flags that the CLI reports as a usage error (it adds
+    ``(see normswap convert --help)``)."""
+
+    def __init__(self, message: str, *, usage: bool = False) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What ``normswap convert`` is asked to do (each field is the CLI option of the same name).
+
+    Attributes:
+        norm: ``"keep"`` (each norm keeps its kind) or ``"rmsnorm"`` (LayerNorms centered into RMSNorms).
+        dtype: ``"auto"`` (the checkpoint's own; float32 for a GGUF file), ``"float32"``, ``"bfloat16"``
+            or ``"float16"``: the precision the model is loaded, converted, checked and saved in.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ... (``normswap.device.resolve_device``).
+        device_map: passed to ``from_pretrained`` instead of ``device`` (in memory only).
+        trust_remote_code: allow the model's own Python code to run.
+        tokens: tokens of real text the check runs on (at least 2; None: 512 or the model's context).
+        tokenizer: tokenizer of the check's text only (hub id or folder); None: the model's own.
+        force: save even when the check fails.
+        overwrite: replace an output folder that normswap wrote (or an empty one), once the new one is
+            verified.
+        untie: fold the final norm into a tied ``lm_head`` by giving it its own tensor (``--no-untie``:
+            False).
+        keep_hidden_states: keep every hidden state the original's (the final norm is not folded).
+        rotate: None, ``"hadamard"`` or ``"random"``: rotate the residual stream after folding.
+        rotate_seed: seed of the rotation's random draws, 0 to 2**63 - 1.
+        rotate_heads: also rotate each attention head's values and output projection.
+        max_memory: hold at most about this many bytes of weights (an int, or a size such as ``"2GiB"``:
+            ``normswap.options.parse_size``); a larger safetensors model is streamed.
+        no_stream: convert in memory even when the model would not fit.
+
+    Raises:
+        OptionError: on construction, for a value out of range or options that cannot go together (with
+            the messages the CLI prints, in the API's wording).
+    """
+
+    norm: str = "keep"
+    dtype: str = "auto"
+    device: str = "auto"
+    device_map: str | None = None
+    trust_remote_code: bool = False
+    tokens: int | None = None
+    tokenizer: str | None = None
+    force: bool = False
+    overwrite: bool = False
+    untie: bool = True
+    keep_hidden_states: bool = False
+    rotate: str | None = None
+    rotate_seed: int = 0
+    rotate_heads: bool = False
+    max_memory: int | str | None = None
+    no_stream: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("norm", self.norm, NORM_CHOICES)
+        _choice("dtype", self.dtype, DTYPE_CHOICES)
+        if self.rotate is not None:
+            _choice("rotate", self.rotate, ROTATE_KINDS)
+        if not isinstance(self.rotate_seed, int) or not 0 <= self.rotate_seed < 2**63:
+            raise OptionError(f"rotate_seed must be an integer from 0 to 2**63 - 1, not {self.rotate_seed!r}")
+        if self.tokens is not None and (not isinstance(self.tokens, int) or self.tokens < 2):
+            raise OptionError(f"tokens must be an integer of at least 2, not {self.tokens!r}")
+        if self.max_memory is not None and not isinstance(self.max_memory, int):
+            try:
+                parse_size(self.max_memory)
+            except ValueError as error:
+                raise OptionError(f"max_memory {error}") from None
+        elif self.max_memory is not None and self.max_memory <= 0:
+            raise OptionError(f"max_memory must be positive, not {self.max_memory}")
+        if self.rotate is None and (self.rotate_heads or self.rotate_seed != 0):
+            raise OptionError(ROTATE_ONLY, usage=True)
+        if self.keep_hidden_states and self.norm == "rmsnorm":
+            raise OptionError(KEEP_VS_CENTER)
+        if self.keep_hidden_states and self.rotate is not None:
+            raise OptionError(KEEP_VS_ROTATE)
+        if self.device_map is not None and self.max_memory is not None:
+            raise OptionError(DEVICE_MAP_VS_STREAM)
+
+    @classmethod
+    def of(cls, options: dict) -> ConvertOptions:
+        """``ConvertOptions(**options)``; an unknown name is an ``OptionError`` listing the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise OptionError(f"unknown option {unknown[0]!r}; the options are {', '.join(sorted(known))}")
+        return cls(**options)
+
+    @property
+    def budget(self) -> int | None:
+        """``max_memory`` in bytes (None: not given)."""
+        if self.max_memory is None or isinstance(self.max_memory, int):
+            return self.max_memory
+        return parse_size(self.max_memory)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise OptionError(f"{name} must be one of {', '.join(map(repr, choices))}, not {value!r}")

@@ -1,0 +1,318 @@
+"""``convert_pretrained``: what ``normswap convert`` does, as one Python call.
+
+load -> walk -> reference -> convert -> check -> save -> verify, in memory or streamed shard by shard
+(``normswap.memory.decide`` picks; ``normswap.stream`` streams), with the CLI's outputs, refusals and
+report. The CLI turns its flags into ``ConvertOptions``, calls ``convert_pretrained`` and prints
+``ConvertResult.summary``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+from normswap import io, memory, progress
+from normswap.catalog import misspelled
+from normswap.center.inputs import original_embeds
+from normswap.center.inputs import prove as prove_inputs_transform
+from normswap.check import VOCABULARY_SEED, compare, reference_outputs, reload_original
+from normswap.check.inputs import command_input_ids, implausible_text, signal_check_inputs, vocabulary_size
+from normswap.config import ConvertOptions, OptionError
+from normswap.convert import already_converted, no_norms_message, stream_transform
+from normswap.convert import convert as convert_model
+from normswap.device import resolve_device
+from normswap.errors import NormswapError
+from normswap.io import carry
+from normswap.options import output_problem
+from normswap.rotate import ROTATION_FILE, RotationError, check_saved, rotate_reference
+from normswap.rotate.heads import HeadRotationError
+from normswap.rotate.inputs import prove as prove_rotated_inputs
+from normswap.summary import summary
+from normswap.walk import short_inputs, walk
+
+
+@dataclass
+class ConvertResult:
+    """What ``convert_pretrained`` did.
+
+    Attributes:
+        report: the conversion's report (what ``--report`` writes; ``normswap.json`` holds it too).
+        passed: the check passed and the saved copy (if any) was verified.
+        saved: a checkpoint is in ``output`` (passed, or saved anyway with ``force``).
+        output: the output folder.
+        summary: the lines ``normswap convert`` prints (newline-joined); empty on a distributed rank other
+            than the main one.
+        failure: None when ``passed``; else ``"check FAILED; nothing saved"`` or the like, as the CLI's
+            stderr line says it (its exit code is then 1).
+        main: False on a distributed rank other than the main one (``accelerate launch``), which prints
+            and writes nothing.
+    """
+
+    report: dict
+    passed: bool
+    saved: bool
+    output: Path
+    summary: str
+    failure: str | None = None
+    main: bool = True
+
+    @property
+    def exit_code(self) -> int:
+        """The CLI's exit code for this result: 0, or 1 when ``failure``."""
+        return 0 if self.failure is None else 1
+
+
+def convert_pretrained(
+    model: str | Path,
+    output: str | Path,
+    *,
+    report: str | Path | None = None,
+    stages: progress.Stages | None = None,
+    options: ConvertOptions | None = None,
+    **kwargs,
+) -> ConvertResult:
+    """Convert ``model`` and save it to ``output``, as ``normswap convert MODEL -o OUTPUT`` does.
+
+    Args:
+        model: a hub id, a local model folder, a ``.gguf`` file or a short name (``smollm2-135m``).
+        output: the folder to write (it must not exist, or be an earlier normswap output or empty with
+            ``overwrite=True``; it is replaced only once the new checkpoint is verified).
+        report: also write the report as JSON to this file.
+        stages: progress and timings of the stages (``normswap.progress.Stages``; a new one by default).
+        options: the options as a ``ConvertOptions``; or give them as keyword arguments
+            (``norm="rmsnorm"``, ``rotate="hadamard"``, ``max_memory="2GiB"``, ...: ``ConvertOptions``'
+            fields), not both.
+
+    Returns:
+        ``ConvertResult``: the report, whether it passed, the summary lines. A failed check is a result
+        (``passed`` False, ``failure`` set, nothing saved unless ``force``), not an exception.
+
+    Raises:
+        OptionError: unknown options, values out of range, options that cannot go together.
+        NormswapError: bad input, as the CLI's one-line errors (exit code 2): a model that cannot be read,
+            an output that would replace what normswap did not write, no norm found, a refused rotation.
+    """
+    if options is not None and kwargs:
+        raise OptionError("give the options as options=ConvertOptions(...) or as keyword arguments, not both")
+    options = options if options is not None else ConvertOptions.of(kwargs)
+    model = str(model)
+    problem = misspelled(model) or output_problem("output", str(output), directory=True)
+    if problem:
+        raise NormswapError(problem)
+    output = Path(output)
+    stages = stages if stages is not None else progress.Stages()
+    io.check_output_dir(output, model, overwrite=options.overwrite)
+    report_file = None  # written by its absolute path: `--output .` may exchange the working directory
+    if report is not None:
+        report_file = io.check_output_file(Path(report), [model], output)
+    stages.start("load", f"{model} ({options.dtype})")  # one stage: in memory or streamed, then the load
+    streamed = _convert_streamed(model, output, options, stages)
+    if streamed is not None:
+        report_dict, passed = streamed
+        if report_dict is None:  # a distributed rank other than the main one
+            failure = None if passed else "check FAILED"
+            return ConvertResult({}, passed, passed, output, "", failure, main=False)
+        verify_failed = not report_dict.get("verify", {}).get("passed", True)
+        saved = (passed and not verify_failed) or options.force
+        report_dict["saved"] = saved
+        return _result(report_dict, passed, verify_failed, saved, output, report, report_file, options)
+    return _convert_in_memory(model, output, options, stages, report, report_file)
+
+
+def _result(report_dict, passed, verify_failed, saved, output, report, report_file, options) -> ConvertResult:
+    if report is not None:
+        io.write_json(report_file, report_dict)
+    failure = None
+    if not passed or verify_failed:
+        what = "check FAILED" if not passed else "verification of the saved checkpoint FAILED"
+        failure = what + ("; saved anyway (--force)" if options.force else "; nothing saved")
+    lines = summary(report_dict, output if saved else None, Path(report) if report is not None else None)
+    return ConvertResult(report_dict, passed and not verify_failed, saved, output, lines, failure)
+
+
+def _convert_in_memory(model, output, options, stages, report, report_file) -> ConvertResult:
+    o = options
+    loaded = io.load_model(
+        model,
+        dtype=o.dtype,
+        trust_remote_code=o.trust_remote_code,
+        tokenizer=True,  # the model's own, saved with the output; --tokenizer only tokenizes the check's text
+        device=o.device,
+        device_map=o.device_map,
+    )
+    check_tokenizer = loaded.tokenizer
+    if o.tokenizer is not None:
+        check_tokenizer = io.load_tokenizer(
+            io.resolve(model), o.tokenizer, trust_remote_code=o.trust_remote_code
+        )
+    stages.stop(f"{loaded.info.architecture} from {loaded.info.path}")
+    inputs = carry.gather(loaded.info, loaded.model)  # tensors the class does not run, other files, shards
+    if o.norm != "keep" or o.rotate is not None:
+        option = f"--norm {o.norm}" if o.rotate is None else f"--rotate {o.rotate}"
+        carry.refuse_changed_stream(model, loaded.model, inputs.skipped, option)
+    input_ids, check_input = check_ids(model, loaded.model.config, check_tokenizer, o.tokens, loaded.model)
+    stages.start("walk", "finding the norms and their consumers")
+    # the dataflow does not depend on the length
+    traced = walk(loaded.model, short_inputs(input_ids), keep_hidden_states=o.keep_hidden_states)
+    if not traced.sites:
+        raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
+    manifest = io.input_manifest(loaded.info.path) if loaded.info.kind == "dir" else None
+    already_converted(model, loaded.model, traced.sites, o.norm, manifest, rotate=o.rotate)
+    inputs.kept = carry.keep_final_norms(loaded.model, traced.sites, inputs.skipped)
+    on = f"random {check_input['input']}" if "input" in check_input else f"{input_ids.shape[-1]} tokens"
+    stages.start("reference", f"running the original on {on}")
+    reload = functools.partial(io.load_model, model, dtype=o.dtype, trust_remote_code=o.trust_remote_code,
+                               tokenizer=False, device=o.device, device_map=o.device_map)  # fmt: skip
+    reference = reference_outputs(loaded.model, input_ids, sites=traced.sites,
+                                  rerun=reload_original(lambda: reload().model))  # fmt: skip
+    # the original's embeddings, to prove the inputs_embeds map of a centered or rotated model
+    # (centering.json, normswap/inputs_embeds.json); taken before the conversion changes the table
+    moves = o.norm == "rmsnorm" or o.rotate is not None
+    embeds = original_embeds(loaded.model, input_ids) if moves else None
+    rotating = f", rotating ({o.rotate})" if o.rotate else ""
+    stages.start("convert", "folding and swapping the norms" + rotating)
+    traced_with = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
+    with rotation_refused():
+        result = convert_model(loaded.model, norm=o.norm, untie=o.untie, traced=traced, rotate=o.rotate,
+                               rotate_seed=o.rotate_seed, rotate_heads=o.rotate_heads,
+                               keep_hidden_states=o.keep_hidden_states, **traced_with)  # fmt: skip
+    if result.rotation is not None:  # the original's stream records, as the rotated model computes them
+        rotate_reference(reference, result.rotation)
+    stages.start("check", "comparing the converted model's outputs with the original's")
+    checked = compare(reference, loaded.model, input_ids, transform=stream_transform(result),
+                      keep_hidden_states=o.keep_hidden_states)  # fmt: skip
+    if result.rotation is None:
+        extra_files = prove_inputs_transform(result.centering, reference, loaded.model, embeds, checked)
+    else:
+        matrices = {name: m.values for name, m in result.rotation.matrices.items()}
+        extra_files = prove_rotated_inputs(result.rotation.inputs, reference, loaded.model, embeds, matrices,
+                                           checked)  # fmt: skip
+    result.check = checked.to_dict()
+    report_dict = io.report_dict(result, loaded.info)
+    report_dict["check_input"] = check_input
+    if inputs:
+        report_dict["carried"] = inputs.to_dict()
+    note_check_text(report_dict, o.tokenizer)
+    passed = bool(checked.passed)
+    saved = passed or o.force
+    stages.stop()
+    if saved:
+        del traced, reference
+        rotation = result.rotation
+        extra = {} if rotation is None else {ROTATION_FILE: rotation.saved_tensors()}
+        try:  # written and verified beside OUT; OUT is replaced only then (io.staging)
+            verified = io.save_and_verify(
+                loaded, report_dict, output, input_ids, overwrite=o.overwrite, force=o.force, inputs=inputs,
+                input_path=model, trust_remote_code=o.trust_remote_code, stages=stages, extra_tensors=extra,
+                extra_files=extra_files,
+                check_extra=None if rotation is None else lambda folder: check_saved(folder, rotation),
+            )  # fmt: skip
+        except NormswapError:
+            if report is not None:  # the report still tells what was converted, where it can be written
+                report_dict["saved"] = False
+                report_dict["timings"] = dict(stages.timings)
+                with contextlib.suppress(NormswapError):
+                    io.write_json(report_file, report_dict)
+            raise
+        saved = verified.passed or o.force
+        if inputs:  # what was copied is known only after the save
+            report_dict["carried"] = inputs.to_dict()
+        else:
+            report_dict.pop("carried", None)
+    stages.stop()
+    report_dict["timings"] = dict(stages.timings)
+    report_dict["saved"] = saved
+    verify_failed = not report_dict.get("verify", {}).get("passed", True)
+    return _result(report_dict, passed, verify_failed, saved, output, report, report_file, o)
+
+
+def _convert_streamed(model: str, output: Path, options: ConvertOptions, stages) -> tuple | None:
+    """None when the model is converted in memory (``normswap.memory.decide``: ``no_stream``, weights
+    within ``max_memory``, or an estimated peak that fits the memory available), else the streamed
+    conversion (``normswap.stream``, on ``device``) as ``(report, passed)`` (report None on a distributed
+    rank other than the main one), with the same outputs, messages and exit codes as in memory (a rotation
+    too: the same tensors, matrices and records)."""
+    from normswap.stream import convert as stream
+    from normswap.stream import dist
+
+    o = options
+    target = resolve_device(o.device)  # an unknown device is refused before anything is read
+    if o.device_map is not None:  # the user places the model: in memory
+        return None
+    max_memory = None if o.max_memory is None else str(o.max_memory)
+    choice = memory.decide(  # within the load stage: shard headers, config, tokenizer
+        model, o.dtype, max_memory=max_memory, no_stream=o.no_stream, untie=o.untie, norm=o.norm,
+        tokens=o.tokens, device=str(target), trust_remote_code=o.trust_remote_code, tokenizer=o.tokenizer,
+        rotate=o.rotate is not None,
+    )  # fmt: skip
+    if not choice.stream:
+        return None
+    source = choice.source
+    if choice.reason and dist.is_main():
+        progress.say(f"{model}: {choice.reason}")
+    target = dist.device(target)
+    budget = max_memory if max_memory is not None else progress.size(choice.budget)
+    progress.note(
+        f"streaming: budget {budget}, {progress.size(source.nbytes)} of weights in "
+        f"{len(source.reader.files)} shard(s), on {target}"
+    )
+    input_ids, check_input = check_ids(model, source.config, source.check_tokenizer, o.tokens)
+    with rotation_refused():
+        report_dict, passed = stream.convert_streamed(
+            source, output, input_ids, untie=o.untie, force=o.force, overwrite=o.overwrite, stages=stages,
+            keep_hidden_states=o.keep_hidden_states, norm=o.norm, device=target, choice=choice,
+            rotate=o.rotate, rotate_seed=o.rotate_seed, rotate_heads=o.rotate_heads, check_input=check_input,
+        )  # fmt: skip
+    report_dict["check_input"] = check_input
+    note_check_text(report_dict, o.tokenizer)
+    if not dist.is_main():
+        return None, passed
+    return report_dict, passed
+
+
+@contextlib.contextmanager
+def rotation_refused():
+    """A refused rotation of the residual stream (``RotationError``; not the heads' alone) names the fix."""
+    try:
+        yield
+    except HeadRotationError:
+        raise
+    except RotationError as error:
+        raise NormswapError(
+            f"{error}; convert without --rotate: the norms are still folded (where exact) and swapped"
+        ) from error
+
+
+def note_check_text(report_dict: dict, tokenizer: str | None) -> None:
+    """Add a ``note`` to the report's ``check_input`` when the original's perplexity on the check text says
+    the text means little to it (``check.inputs.implausible_text``), for a ``--tokenizer`` or a failed check
+    (a random-weight model that passes needs no note)."""
+    check = report_dict.get("check") or {}
+    check_input = report_dict.get("check_input") or {}
+    if check_input.get("source") != "text" or (tokenizer is None and check.get("passed")):
+        return
+    note = implausible_text(check.get("ppl_original"), tokenizer)
+    if note:
+        check_input["note"] = note
+
+
+def check_ids(model: str, config, tokenizer, tokens: int | None, loaded=None):
+    """The check's token ids for a model of ``config`` and how they were made (for the report); bad
+    tokenizers and over-long requests are bad input (``NormswapError``). Without a tokenizer: ids drawn
+    from the vocabulary. A ``loaded`` model that reads a waveform or an image: a fixed random one instead
+    (``normswap.check.inputs.signal_check_inputs``).
+
+    Returns:
+        ``(ids, check_input)``: ``LongTensor [1, tokens]`` (or the random input) and the report's
+        ``check_input`` record.
+    """
+    signal = None if loaded is None else signal_check_inputs(model, loaded, tokens)
+    if signal is not None:
+        return signal
+    ids = command_input_ids(model, config, tokenizer, tokens)
+    if tokenizer is None:
+        return ids, {"source": "vocabulary", "vocab_size": vocabulary_size(config), "seed": VOCABULARY_SEED,
+                     "reason": "no tokenizer files"}  # fmt: skip
+    return ids, {"source": "text", "tokenizer": str(getattr(tokenizer, "name_or_path", None) or model)}

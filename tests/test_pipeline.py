@@ -1,0 +1,150 @@
+"""``normswap.convert_pretrained`` does what ``normswap convert`` does: the same tensors written (bit for
+bit), the same report and summary lines, the same refusals (as exceptions), a failed check as a result.
+
+The independent reference for the written model is the unconverted one: a fresh load of the output computes
+the original's logits within 1e-5 (float32 folds of these tiny models are exact to about 1e-6)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import make_tiny_model
+from safetensors.torch import load_file
+
+import normswap
+from normswap.cli import main
+from normswap.config import ConvertOptions, OptionError
+from normswap.errors import NormswapError
+
+pipeline = importlib.import_module("normswap.pipeline")
+FEW = {"tokens": 32}
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out |= load_file(file)
+    return out
+
+
+def _lines(text: str, folder: Path) -> list[str]:
+    """Summary lines without the timings and with the output folder named OUT."""
+    return [line.replace(str(folder), "OUT") for line in text.splitlines() if not line.startswith("time:")]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Tiny Llama and GPT-2 checkpoints (norm parameters re-randomized), saved once for the module."""
+    root = tmp_path_factory.mktemp("src")
+    out = {}
+    for name in ("llama", "gpt2"):
+        model = make_tiny_model(name)
+        model.save_pretrained(root / name)
+        out[name] = (root / name, model)
+    return out
+
+
+CASES = {  # name -> (model, options)
+    "gpt2-rmsnorm": ("gpt2", {"norm": "rmsnorm"}),
+    "llama-rotate-streamed": ("llama", {"rotate": "hadamard", "max_memory": "4KB"}),
+}
+FLAGS = {"norm": "--norm", "rotate": "--rotate", "max_memory": "--max-memory"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_api_writes_what_the_cli_writes(case, saved, tmp_path):
+    name, options = CASES[case]
+    src, original = saved[name]
+    flags = [str(a) for key, value in options.items() for a in (FLAGS[key], value)]
+    cli_out, api_out = tmp_path / "cli", tmp_path / "api"
+    ran = CliRunner().invoke(main, ["convert", str(src), "-o", str(cli_out), "--tokens", "32", *flags])
+    assert ran.exit_code == 0, ran.output
+    result = normswap.convert_pretrained(src, api_out, **FEW, **options)
+    assert result.passed and result.saved and result.failure is None and result.exit_code == 0
+    a, b = _tensors(cli_out), _tensors(api_out)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+    manifest = json.loads((api_out / "normswap.json").read_text())
+    assert manifest["sites"] == json.loads((cli_out / "normswap.json").read_text())["sites"]
+    assert result.report["sites"] == manifest["sites"]
+    assert _lines(result.summary, api_out) == _lines(ran.stdout, cli_out)
+
+    # the independent reference: a fresh load computes the original's logits
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(api_out, dtype=torch.float32).eval()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        diff = (loaded(ids).logits - original(ids).logits).abs().max().item()
+    assert diff <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"rotate_heads": True}, "rotate_heads=True and rotate_seed=... need rotate='hadamard'|'random'"),
+        ({"norm": "rmsnorm", "keep_hidden_states": True}, "norm='rmsnorm' centers the residual stream"),
+        ({"rotate": "hadamard", "keep_hidden_states": True}, "rotate=... rotates the residual stream"),
+        ({"device_map": "auto", "max_memory": "1GB"}, "device_map=... is not available when streaming"),
+        ({"norm": "layernorm"}, "norm must be one of 'keep', 'rmsnorm', not 'layernorm'"),
+        ({"max_memory": "lots"}, "max_memory 'lots' is not a size"),
+        ({"tokens": 1}, "tokens must be an integer of at least 2"),
+        ({"untie_lm_head": False}, "unknown option 'untie_lm_head'; the options are"),
+    ],
+)
+def test_options_that_cannot_work_are_refused_before_anything_is_read(options, message, tmp_path):
+    with pytest.raises(OptionError) as raised:
+        normswap.convert_pretrained(tmp_path / "no-such-model", tmp_path / "out", **options)
+    assert str(raised.value).startswith(message) or message in str(raised.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_says_the_same_refusals_in_its_own_words(saved, tmp_path):
+    src, _ = saved["llama"]
+    ran = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "o"), "--rotate-heads"])
+    assert ran.exit_code == 2
+    assert "--rotate-heads and --rotate-seed need --rotate hadamard|random" in ran.stderr
+    ran = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "o"), "--device-map", "auto",
+                                    "--max-memory", "1GB"])  # fmt: skip
+    assert ran.exit_code == 2
+    assert ran.stderr.strip() == (
+        "normswap: error: --device-map is not available when streaming (--max-memory); give --device"
+    )
+
+
+def test_bad_input_is_an_exception_and_touches_nothing(saved, tmp_path):
+    src, _ = saved["llama"]
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(NormswapError, match="notes.txt|not written by normswap|not empty"):
+        normswap.convert_pretrained(src, theirs, overwrite=True, **FEW)
+    assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
+    assert (theirs / "notes.txt").read_text() == "mine"
+    with pytest.raises(NormswapError, match="names a file"):
+        normswap.convert_pretrained(src, tmp_path / "model.safetensors")
+    with pytest.raises(OptionError, match="not both"):
+        normswap.convert_pretrained(src, tmp_path / "o", options=ConvertOptions(), norm="rmsnorm")
+
+
+def test_a_failed_check_is_a_result_and_saves_nothing(saved, tmp_path, monkeypatch):
+    src, _ = saved["llama"]
+    real = pipeline.compare
+
+    def failing(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result.passed, result.failures = False, ["forced failure for the test"]
+        return result
+
+    monkeypatch.setattr(pipeline, "compare", failing)
+    result = normswap.convert_pretrained(src, tmp_path / "out", report=tmp_path / "r.json", **FEW)
+    assert not result.passed and not result.saved and result.exit_code == 1
+    assert result.failure == "check FAILED; nothing saved"
+    assert "forced failure for the test" in result.summary and "saved:" not in result.summary
+    assert not (tmp_path / "out").exists()
+    assert json.loads((tmp_path / "r.json").read_text())["saved"] is False
