@@ -359,6 +359,7 @@ def test_cli_refuses_in_one_line_and_writes_nothing(tmp_path):
 
 
 @pytest.mark.real
+@pytest.mark.slow  # minutes on 2 cores; tiny-model rotations cover the kind in the default run
 def test_smollm2_rotated_command(tmp_path):
     """The acceptance command on the real model: passes the check and the verification; the output loads in
     plain transformers; its hidden states are the original's times the saved Q."""

@@ -488,7 +488,8 @@ def _flip_low_bit(tensor: torch.Tensor) -> torch.Tensor:
 CORRUPTED = "model.layers.0.mlp.down_proj.weight"
 
 
-@pytest.mark.parametrize("force", [False, True])
+# without --force (the output removed) in the slow run: tests/test_faults.py's C27 covers it streamed
+@pytest.mark.parametrize("force", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_corrupted_written_tensor_fails_verification(force, tokenizer, tmp_path, monkeypatch):
     """A tensor written with other bytes than were made (1 ulp of one element): the check, which streams the
     written shards, cannot see it (measured logit change < 1e-6); the digest of the fresh read does. Exit 1;

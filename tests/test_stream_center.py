@@ -24,8 +24,8 @@ from normswap.stream.shards import CheckpointReader
 _SLOW = pytest.mark.slow
 ROWS = [
     ("gpt2", {}),
-    ("opt", {}),
-    ("gpt_neox", {"use_parallel_residual": False}),
+    pytest.param("opt", {}, marks=_SLOW),
+    pytest.param("gpt_neox", {"use_parallel_residual": False}, marks=_SLOW),
     pytest.param("bloom", {}, marks=_SLOW),
     pytest.param(
         "falcon", {"new_decoder_architecture": False, "multi_query": True, "bias": False}, marks=_SLOW

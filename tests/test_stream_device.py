@@ -32,7 +32,7 @@ BUDGET = 64_000  # "64KB" in accelerate's syntax
 @pytest.mark.parametrize(
     "model_type, norm, extra",
     [
-        ("llama", "keep", []),
+        pytest.param("llama", "keep", [], marks=pytest.mark.slow),  # the rotated row covers its path
         ("llama", "keep", ["--rotate", "hadamard", "--rotate-heads"]),
         pytest.param("gpt2", "rmsnorm", [], marks=pytest.mark.slow),
     ],
