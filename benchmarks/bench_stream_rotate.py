@@ -53,8 +53,8 @@ def _compare(memory: Path, streamed: Path) -> dict:
     import torch
     from safetensors.torch import load_file
 
+    from normswap.io.shards import CheckpointReader
     from normswap.rotate import ROTATION_FILE
-    from normswap.stream.shards import CheckpointReader
 
     a, b = CheckpointReader(memory), CheckpointReader(streamed)
     differ = [

@@ -154,8 +154,8 @@ def write_checkpoint(
     gemma: bool = False,
 ) -> Path:
     """Write the checkpoint of ``config`` into ``out`` (which must not exist); returns ``out``."""
-    from normswap.io.files import apply_umask
-    from normswap.stream.shards import ShardWriter, nbytes, write_index
+    from normswap.files import apply_umask
+    from normswap.io.shards import ShardWriter, nbytes, write_index
 
     params = _params(config, dtype)
     shards: list[list[int]] = [[]]

@@ -437,7 +437,7 @@ def inspect(model, dtype, trust_remote_code, device, device_map, json_path, no_u
 
     The verdicts are convert's (with --norm keep and the same options): the same walk and fold plan.
     """
-    from normswap import io
+    from normswap import files, io
     from normswap.convert import no_norms_message, survey
 
     _quiet_transformers()
@@ -458,7 +458,7 @@ def inspect(model, dtype, trust_remote_code, device, device_map, json_path, no_u
         raise NormswapError(f"{model}: {no_norms_message(traced)}")
     if json_path is not None:
         io.write_json(
-            json_path, io.files.stamped({"model": model, "sites": [site.to_dict() for site in sites]})
+            json_path, files.stamped({"model": model, "sites": [site.to_dict() for site in sites]})
         )
     click.echo(_site_table(sites))
 
@@ -581,8 +581,8 @@ def bench(out_dir, device, rounds, dtypes, backends, threads, quick, model, mode
         raise NormswapError(str(e)) from e
 
 
-from normswap.check.command import check_command  # noqa: E402
+from normswap.check_command import check_command  # noqa: E402
 from normswap.evaluate import eval_command  # noqa: E402
 
-main.add_command(check_command)  # defined beside its logic in normswap/check/command.py
+main.add_command(check_command)  # defined beside its logic in normswap/check_command.py
 main.add_command(eval_command)

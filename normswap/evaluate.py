@@ -305,8 +305,8 @@ def eval_command(
     sharded across processes and the results gathered; only the main process prints and writes --report.
     """
     from normswap.check.inputs import check_positions, check_same_model, check_vocabulary, default_tokens
+    from normswap.files import stamped
     from normswap.io import check_output_file, quiet_loading, write_json
-    from normswap.io.files import stamped
 
     quiet_loading()
     if report:

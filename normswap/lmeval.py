@@ -409,7 +409,7 @@ def run_command(original, converted, tokenizer, tasks, accelerator, manager, rep
         return
     result = {**header, "lm_eval_tasks": list(tasks), **options, **result}
     if report:
-        from normswap.io.files import stamped, write_json
+        from normswap.files import stamped, write_json
 
         write_json(report, stamped(result))
     click.echo(f"lm-eval {result['lm_eval_version']}, {result['num_processes']} process(es)")

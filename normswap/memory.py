@@ -14,9 +14,9 @@ normswap streams"), from the checkpoint's headers and config alone, before anyth
 * ``untie``: the copy of a tied ``lm_head`` the final norm folds into (vocabulary x hidden);
 * ``centering`` (``--norm rmsnorm``): the written weights are copied before they are replaced (half the
   weights at most) and the recording forward keeps its activations;
-* ``rotation`` (``--rotate``, ``rotation_bytes``): the float64 ``Q`` (hidden x hidden) and ``H`` (head_dim x
-  head_dim), every rotated weight's new values (computed before any is assigned, so that a refusal changes
-  nothing: the weights once more, at most), and one tensor's float64 temporaries;
+* ``rotation`` (``--rotate``, ``rotate.apply.rotation_bytes``): the float64 ``Q`` (hidden x hidden) and
+  ``H`` (head_dim x head_dim), every rotated weight's new values (computed before any is assigned, so that a
+  refusal changes nothing: the weights once more, at most), and one tensor's float64 temporaries;
 * ``logits``: the check's ``(tokens, vocabulary)`` logits, and the float64 metrics over them;
 * ``activations``: per layer, what one forward on the check's tokens leaves held (hidden and MLP widths).
 
@@ -85,19 +85,6 @@ def _size(dtype) -> int:
     return dtype.itemsize
 
 
-def rotation_bytes(hidden: int, head_dim: int = 0, *, tensor_numel: int = 0, tensor_bytes: int = 0,
-                   held: int = 0) -> int:  # fmt: skip
-    """Bytes a rotation holds beyond the weights: ``Q`` and ``H`` in float64 (``8 (hidden² + head_dim²)``),
-    one tensor's new values (``tensor_bytes``) and the float64 temporaries of its blocks (the block, its
-    product with the matrix, a head's copy: ``3 x 8 x min(rotate.apply.CHUNK, tensor_numel)``), plus
-    ``held``: in memory, every rotated weight's new values in its dtype (``rotate.apply`` computes all before
-    assigning any); streamed, nothing (each tensor is written as it is made)."""
-    from normswap.rotate.apply import CHUNK
-
-    matrices = 8 * (hidden * hidden + head_dim * head_dim)
-    return matrices + tensor_bytes + 3 * 8 * min(CHUNK, tensor_numel) + held
-
-
 def estimate(
     tensors: dict,
     config,
@@ -124,6 +111,8 @@ def estimate(
     Returns:
         ``Estimate``.
     """
+    from normswap.rotate.apply import rotation_bytes
+
     elt = _size(dtype)
     weights = stored = upcast = largest = 0
     cast = False
@@ -179,7 +168,7 @@ def checkpoint_tensors(path: str | os.PathLike) -> dict:
     Raises:
         NormswapError: no safetensors weights, or a truncated or corrupt shard (``CheckpointReader``).
     """
-    from normswap.stream.shards import CheckpointReader
+    from normswap.io.shards import CheckpointReader
 
     return {name: (t.dtype, t.shape) for name, t in CheckpointReader(path).tensors.items()}
 
@@ -188,7 +177,7 @@ def hub_tensors(repo_id: str) -> dict | None:
     """``name -> (torch dtype, shape)`` of a hub repository's safetensors weights, read from their headers
     over HTTP (``huggingface_hub.get_safetensors_metadata``), or None when that fails (offline, no
     safetensors weights)."""
-    from normswap.stream.shards import CODE_DTYPES
+    from normswap.io.shards import CODE_DTYPES
 
     try:
         from huggingface_hub import get_safetensors_metadata

@@ -16,9 +16,9 @@ from pathlib import Path
 from normswap import io, memory, progress
 from normswap.catalog import misspelled
 from normswap.center.inputs import original_embeds
-from normswap.center.inputs import prove as prove_inputs_transform
 from normswap.check import VOCABULARY_SEED, compare, reference_outputs, reload_original
 from normswap.check.inputs import command_input_ids, implausible_text, signal_check_inputs, vocabulary_size
+from normswap.check.maps import prove_centered, prove_rotated
 from normswap.config import ConvertOptions, OptionError
 from normswap.convert import already_converted, no_norms_message, stream_transform
 from normswap.convert import convert as convert_model
@@ -28,7 +28,6 @@ from normswap.io import carry
 from normswap.options import output_problem
 from normswap.rotate import ROTATION_FILE, RotationError, check_saved, rotate_reference
 from normswap.rotate.heads import HeadRotationError
-from normswap.rotate.inputs import prove as prove_rotated_inputs
 from normswap.summary import summary
 from normswap.walk import short_inputs, walk
 
@@ -184,10 +183,10 @@ def _convert_in_memory(model, output, options, stages, report, report_file) -> C
     checked = compare(reference, loaded.model, input_ids, transform=stream_transform(result),
                       keep_hidden_states=o.keep_hidden_states)  # fmt: skip
     if result.rotation is None:
-        extra_files = prove_inputs_transform(result.centering, reference, loaded.model, embeds, checked)
+        extra_files = prove_centered(result.centering, reference, loaded.model, embeds, checked)
     else:
         matrices = {name: m.values for name, m in result.rotation.matrices.items()}
-        extra_files = prove_rotated_inputs(result.rotation.inputs, reference, loaded.model, embeds, matrices,
+        extra_files = prove_rotated(result.rotation.inputs, reference, loaded.model, embeds, matrices,
                                            checked)  # fmt: skip
     result.check = checked.to_dict()
     report_dict = io.report_dict(result, loaded.info)

@@ -47,7 +47,7 @@ def fused_module(
     )
     if site.kind == "rmsnorm" and site.bias:
         # a LayerNorm that centering turned into an RMSNorm but whose bias could not be folded
-        from normswap.center import BiasedRMSNorm
+        from normswap.kernels.biased import BiasedRMSNorm
 
         fused = BiasedRMSNorm(site.shape, bias_name=site.bias, **common)
     elif site.kind == "rmsnorm":

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from normswap import convert, inspect
-from normswap.center import BiasedRMSNorm, CenteringError
+from normswap.center import CenteringError
 from normswap.errors import NormswapError
+from normswap.kernels.biased import BiasedRMSNorm
 from normswap.zoo import example_ids, model_outputs, tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -34,9 +34,10 @@ from conftest import make_tiny_model
 from safetensors.torch import load_file, save_file
 
 import normswap
+from normswap import files
 from normswap.cli import main
 from normswap.errors import NormswapError
-from normswap.io import files, save_converted, shortnames
+from normswap.io import save_converted, shortnames
 
 VOCAB = 49152
 BROKEN = "model.layers.1.mlp.down_proj.weight"
@@ -995,7 +996,7 @@ def test_c28_centering_or_rotation_refuses_a_checkpoint_with_skipped_tensors(tmp
 
 
 def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
-    from normswap.stream.shards import CheckpointReader
+    from normswap.io.shards import CheckpointReader
 
     reader = CheckpointReader(folder)
     return {name: reader.read(name) for name in reader.tensors}

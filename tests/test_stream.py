@@ -26,10 +26,10 @@ from safetensors import safe_open
 from normswap.cli import main
 from normswap.errors import NormswapError
 from normswap.io import plain_float_checkpoint
+from normswap.io.shards import INDEX, CheckpointReader, ShardWriter, check_checkpoint
 from normswap.stream import convert as stream_convert
 from normswap.stream.model import build, is_released
 from normswap.stream.records import DiskRecords
-from normswap.stream.shards import INDEX, CheckpointReader, ShardWriter, check_checkpoint
 
 TOKENS = "64"
 

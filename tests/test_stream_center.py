@@ -18,8 +18,8 @@ import torch
 from conftest import make_tiny_model
 from test_stream import TOKENS, assert_same_checkpoint, assert_verified, run, save_sharded, tokenizer  # noqa: F401
 
+from normswap.io.shards import CheckpointReader
 from normswap.stream.model import build
-from normswap.stream.shards import CheckpointReader
 
 _SLOW = pytest.mark.slow
 ROWS = [

@@ -22,9 +22,9 @@ from conftest import make_tiny_model
 from test_stream import TOKENS, assert_same_checkpoint, assert_verified, run, save_sharded, tokenizer  # noqa: F401
 
 import normswap.pipeline
+from normswap.io.shards import CheckpointReader
 from normswap.stream import convert as stream_convert
 from normswap.stream import dist
-from normswap.stream.shards import CheckpointReader
 
 BUDGET = 64_000  # "64KB" in accelerate's syntax
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from normswap.io.files import write_json, write_text
+from normswap.files import write_json, write_text
 
 
 def run_folder(work: Path) -> Path:

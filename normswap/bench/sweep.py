@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from normswap.bench import parse_shapes
-    from normswap.io.files import write_json, write_text
+    from normswap.files import write_json, write_text
 
     parser = argparse.ArgumentParser(
         prog="python -m normswap.bench.sweep", description=__doc__.split("\n")[0]

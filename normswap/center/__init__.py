@@ -35,12 +35,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from normswap.center.biased import BiasedRMSNorm
 from normswap.center.commit import commit, prepare
 from normswap.center.errors import CenteringError
 from normswap.center.inputs import describe
 from normswap.center.plan import CenterResult, plan_centering
 from normswap.device import exact_float32
+from normswap.kernels.biased import BiasedRMSNorm
 from normswap.walk import Walk
 
 __all__ = ["BiasedRMSNorm", "CenterResult", "CenteringError", "center", "plan_centering"]

@@ -16,8 +16,9 @@ model's embedding space. Measured from the centering plan, per model:
 ``describe`` records it (JSON-ready, the original norm's parameters as float64 lists) before the model is
 changed; ``save`` writes ``centering.json`` into a converted model's directory, ``load`` reads it back, and
 ``apply`` maps original-space vectors of shape ``(..., D)`` for the converted model. ``normswap convert``
-proves the transform: the converted model given ``apply(original inputs_embeds)`` reproduces the original's
-logits within the check's tolerance (recorded under ``verified``).
+proves the transform (``normswap.check.maps.prove_centered``): the converted model given
+``apply(original inputs_embeds)`` reproduces the original's logits within the check's tolerance (recorded
+under ``verified``).
 """
 
 from __future__ import annotations
@@ -116,44 +117,9 @@ def original_embeds(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor |
     return embedding(input_ids.to(next(embedding.parameters()).device)).cpu()
 
 
-def prove(centering: dict[str, Any] | None, reference, model: nn.Module, embeds, checked) -> dict[str, str]:
-    """Prove the ``inputs_embeds`` transform of a centered conversion on the check's ids, and give the file
-    to write beside the checkpoint.
-
-    The converted ``model`` given ``apply(transform, embeds)`` must reproduce ``reference``'s outputs
-    within the check's tolerance (``check.core.compare_inputs_embeds``); the result goes into the transform
-    as ``verified``, and a failure fails ``checked`` (a ``check.core.CheckResult``: ``passed`` set False, the
-    reason appended to ``failures``).
-
-    Args:
-        centering: the report's ``centering`` entry (``CenterResult.to_dict()``), or None (not centered).
-        reference: ``check.reference_outputs`` of the original on the check's ids.
-        model: the converted model (in memory or streamed).
-        embeds: ``original_embeds`` of the original, or None.
-        checked: the check's result for ``model``.
-
-    Returns:
-        ``{FILE: JSON text}``, or ``{}`` when there is nothing to write (not centered, no embedding table).
-    """
-    from normswap.check.core import compare_inputs_embeds
-    from normswap.io.files import to_json
-
-    transform = (centering or {}).get("inputs")
-    if not transform or embeds is None or transform.get("kind") == "unknown":
-        return {}
-    proof = compare_inputs_embeds(reference, model, apply(transform, embeds))
-    transform["verified"] = proof
-    if not proof["passed"]:
-        checked.passed = False
-        checked.failures.append(
-            f"the inputs_embeds transform of {FILE} does not hold: " + "; ".join(proof["failures"])
-        )
-    return {FILE: to_json(transform)}
-
-
 def save(folder: str | os.PathLike, transform: dict[str, Any]) -> Path:
     """Write ``transform`` as ``folder/centering.json`` (strict JSON); returns the path."""
-    from normswap.io.files import to_json
+    from normswap.files import to_json
 
     path = Path(folder) / FILE
     path.write_text(to_json(transform))

@@ -195,8 +195,6 @@ def text_ids(tokenizer, text: str, tokens: int, *, source, what: str):
 
 
 def _kind(config) -> str:
-    from normswap.io import is_causal_lm
-
     return "causal LM" if is_causal_lm(config) else "encoder (no LM head)"
 
 
@@ -218,3 +216,30 @@ def check_same_model(original: str, a, converted: str, b) -> None:
             differ.append(f"{name} {va} vs {vb}")
     if differ:
         raise NormswapError(f"{original} and {converted} are different models: {', '.join(differ)}")
+
+
+def is_causal_lm(config) -> bool:
+    """Whether ``config`` describes a causal LM (load with ``AutoModelForCausalLM``) or not (``AutoModel``).
+
+    With ``config.architectures`` set: true when one of them is a causal-LM class of transformers (or of
+    the model's remote code, via ``auto_map``). Without it (GGUF files, hand-made configs): true when the
+    ``model_type`` has a causal-LM class and is not an encoder family (one with a masked-LM class),
+    unless the config says ``is_decoder``.
+    """
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    causal_classes = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        causal_classes.update(value if isinstance(value, list | tuple) else [value])
+    auto_map = getattr(config, "auto_map", None) or {}
+    remote_causal = str(auto_map.get("AutoModelForCausalLM", "")).rsplit(".", 1)[-1]
+    architectures = getattr(config, "architectures", None) or []
+    if architectures:
+        return any(a in causal_classes or (remote_causal and a == remote_causal) for a in architectures)
+    model_type = getattr(config, "model_type", None)
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return bool(getattr(config, "is_decoder", False))
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or bool(remote_causal)

@@ -6,13 +6,13 @@
   ``save_and_verify``: the same as ``normswap convert`` runs it (model freed before the fresh load, input
   tensors the model class does not run carried over, ``normswap.io.carry``)
 * ``load_pretrained(path)`` -> model with normswap's fused norms in place
-* ``write_json(path, data)`` / ``write_text(path, text)``: atomic, strict JSON (``normswap.io.files``)
+* ``write_json(path, data)`` / ``write_text(path, text)``: atomic, strict JSON (``normswap.files``)
 * ``record_expected(model, input_ids)`` before saving, ``verify_saved(path, expected)`` after: a fresh load
   of the saved directory reproduces the class, tensors and outputs that were checked
 """
 
+from normswap.files import to_json, write_json, write_text
 from normswap.io.adapters import is_peft_model, plain_model
-from normswap.io.files import to_json, write_json, write_text
 from normswap.io.load import (
     LoadedModel,
     ModelInfo,

@@ -147,7 +147,7 @@ def extra_files(folder: Path) -> tuple[list[str], dict[str, str]]:
 
 def checkpoint_tensors(folder: Path) -> list[str]:
     """The tensor names in ``folder``'s safetensors headers, in checkpoint order (``[]`` without any)."""
-    from normswap.stream.shards import INDEX, SINGLE, CheckpointReader
+    from normswap.io.shards import INDEX, SINGLE, CheckpointReader
 
     if not (folder / INDEX).is_file() and not (folder / SINGLE).is_file():
         return []
@@ -157,7 +157,7 @@ def checkpoint_tensors(folder: Path) -> list[str]:
 
 class InputTensors:
     """The tensors of an input checkpoint directory, read one at a time: safetensors files (headers checked,
-    ``normswap.stream.shards.CheckpointReader``) or PyTorch ``.bin`` files (``torch.load`` memory-mapped,
+    ``normswap.io.shards.CheckpointReader``) or PyTorch ``.bin`` files (``torch.load`` memory-mapped,
     tensors only); ``names`` is empty for a directory with neither.
 
     Raises:
@@ -167,7 +167,7 @@ class InputTensors:
     BIN_INDEX, BIN_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
 
     def __init__(self, folder: Path):
-        from normswap.stream.shards import INDEX, SINGLE, CheckpointReader
+        from normswap.io.shards import INDEX, SINGLE, CheckpointReader
 
         self.folder = Path(folder)
         self._reader, self._files, self._loaded = None, {}, {}
@@ -214,7 +214,7 @@ class InputTensors:
 
 def shard_size(folder: Path) -> int | None:
     """Bytes of the largest shard of a sharded safetensors checkpoint in ``folder`` (``None``: unsharded)."""
-    from normswap.stream.shards import INDEX
+    from normswap.io.shards import INDEX
 
     index = folder / INDEX
     if not index.is_file():
@@ -375,7 +375,7 @@ def append_tensors(dest: Path, source: Path, names: list[str], dtype: torch.dtyp
         ``{name: (dtype name, shape, digest)}`` of the tensors as written (``normswap.io.verify``'s
         fingerprint), for the verification.
     """
-    from normswap.stream.shards import INDEX, SINGLE, ShardWriter, nbytes, write_index
+    from normswap.io.shards import INDEX, SINGLE, ShardWriter, nbytes, write_index
 
     if not names:
         return {}
@@ -455,7 +455,7 @@ def _append_to_single(dest: Path, reader: InputTensors, entries: list) -> dict[s
     its place."""
     from safetensors import safe_open
 
-    from normswap.stream.shards import SINGLE, CheckpointReader, ShardWriter
+    from normswap.io.shards import SINGLE, CheckpointReader, ShardWriter
 
     own = CheckpointReader(dest)
     names = own.names_in(SINGLE)

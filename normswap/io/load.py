@@ -31,6 +31,7 @@ from unittest import mock
 import torch
 
 from normswap.catalog import misspelled
+from normswap.check.inputs import is_causal_lm
 from normswap.errors import NormswapError
 from normswap.io import shortnames
 
@@ -159,33 +160,6 @@ def resolve(source: str | Path, *, download: bool = True) -> Resolved:
     )
 
 
-def is_causal_lm(config) -> bool:
-    """Whether ``config`` describes a causal LM (load with ``AutoModelForCausalLM``) or not (``AutoModel``).
-
-    With ``config.architectures`` set: true when one of them is a causal-LM class of transformers (or of
-    the model's remote code, via ``auto_map``). Without it (GGUF files, hand-made configs): true when the
-    ``model_type`` has a causal-LM class and is not an encoder family (one with a masked-LM class),
-    unless the config says ``is_decoder``.
-    """
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
-    causal_classes = set()
-    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        causal_classes.update(value if isinstance(value, list | tuple) else [value])
-    auto_map = getattr(config, "auto_map", None) or {}
-    remote_causal = str(auto_map.get("AutoModelForCausalLM", "")).rsplit(".", 1)[-1]
-    architectures = getattr(config, "architectures", None) or []
-    if architectures:
-        return any(a in causal_classes or (remote_causal and a == remote_causal) for a in architectures)
-    model_type = getattr(config, "model_type", None)
-    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
-        return bool(getattr(config, "is_decoder", False))
-    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or bool(remote_causal)
-
-
 def quiet_loading() -> None:
     """Silence transformers' and huggingface_hub's progress bars, warnings and retry messages.
 
@@ -266,7 +240,7 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def stored_dtype(folder: str | os.PathLike) -> torch.dtype | None:
     """The floating dtype holding most bytes of a local directory's safetensors weights (headers only), or
     None when it has no safetensors files or no floating tensor."""
-    from normswap.stream.shards import CheckpointReader
+    from normswap.io.shards import CheckpointReader
 
     try:
         reader = CheckpointReader(folder)
@@ -375,7 +349,7 @@ def load_weights(auto, resolved: Resolved, **kwargs) -> torch.nn.Module:
     ``load_pretrained``, evaluation with a ``device_map``).
 
     A local directory's safetensors checkpoint is validated first from its headers and file sizes
-    (``normswap.stream.shards.check_checkpoint``), so a corrupt file gets the same precise line as on the
+    (``normswap.io.shards.check_checkpoint``), so a corrupt file gets the same precise line as on the
     streamed path.
 
     Raises:
@@ -384,7 +358,7 @@ def load_weights(auto, resolved: Resolved, **kwargs) -> torch.nn.Module:
             config (one line naming them).
     """
     if resolved.kind == "dir" and not resolved.gguf_file:
-        from normswap.stream.shards import check_checkpoint
+        from normswap.io.shards import check_checkpoint
 
         check_checkpoint(resolved.path)
     try:

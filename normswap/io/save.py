@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from normswap import files
 from normswap.errors import NormswapError
-from normswap.io import files, shortnames, staging
+from normswap.io import shortnames, staging
 from normswap.io.adapters import plain_manifest
 from normswap.io.load import ModelInfo, auto_class_name, load_config, load_weights, resolve, torch_dtype
 from normswap.io.staging import MANIFEST, Staging

@@ -31,7 +31,7 @@ from pathlib import Path
 from normswap import progress
 from normswap.catalog import SHORT_MODELS, ShortModel, Wheel  # noqa: F401 - Wheel: the catalog's API
 from normswap.errors import NormswapError
-from normswap.io.files import apply_umask
+from normswap.files import apply_umask
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from normswap import files
 from normswap.errors import NormswapError
-from normswap.io import files
 
 log = logging.getLogger(__name__)
 

@@ -220,7 +220,7 @@ def _compare_carried(expected: Expected, path: Path) -> list[str]:
     """The carried tensors, read back one at a time from the safetensors files, against their fingerprints."""
     if not expected.carried:
         return []
-    from normswap.stream.shards import CheckpointReader
+    from normswap.io.shards import CheckpointReader
 
     reader = CheckpointReader(path)
     failures = []

@@ -374,3 +374,14 @@ def apply(
     for name in planned.folded:
         by_site[name].folded = True
     return planned.records
+
+
+def rotation_bytes(hidden: int, head_dim: int = 0, *, tensor_numel: int = 0, tensor_bytes: int = 0,
+                   held: int = 0) -> int:  # fmt: skip
+    """Bytes a rotation holds beyond the weights: ``Q`` and ``H`` in float64 (``8 (hidden² + head_dim²)``),
+    one tensor's new values (``tensor_bytes``) and the float64 temporaries of its blocks (the block, its
+    product with the matrix, a head's copy: ``3 x 8 x min(rotate.apply.CHUNK, tensor_numel)``), plus
+    ``held``: in memory, every rotated weight's new values in its dtype (``rotate.apply`` computes all before
+    assigning any); streamed, nothing (each tensor is written as it is made)."""
+    matrices = 8 * (hidden * hidden + head_dim * head_dim)
+    return matrices + tensor_bytes + 3 * 8 * min(CHUNK, tensor_numel) + held

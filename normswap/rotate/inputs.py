@@ -154,43 +154,6 @@ def apply(transform: dict[str, Any], embeds: torch.Tensor, matrices: dict[str, t
     return x.to(embeds.dtype)
 
 
-def prove(transform: dict[str, Any] | None, reference, model: nn.Module, embeds, matrices, checked):
-    """Prove the ``inputs_embeds`` map of a rotated conversion on the check's ids, and give the file to
-    write beside the checkpoint.
-
-    The converted ``model`` given ``apply(transform, embeds)`` must reproduce ``reference``'s outputs within
-    the check's tolerance (``check.core.compare_inputs_embeds``); the result goes into ``transform`` as
-    ``verified``, and a failure fails ``checked`` (``passed`` set False, the reason appended to
-    ``failures``).
-
-    Args:
-        transform: ``describe``'s map (``Rotation.inputs``), or None.
-        reference: ``check.reference_outputs`` of the original on the check's ids.
-        model: the converted model (in memory or streamed).
-        embeds: ``normswap.center.inputs.original_embeds`` of the original (taken before converting), or
-            None.
-        matrices: ``{"Q": ...}`` as applied.
-        checked: the check's ``CheckResult`` for ``model``.
-
-    Returns:
-        ``{FILE: JSON text}``; ``{}`` without a map or without the original's embeddings.
-    """
-    from normswap.check.core import compare_inputs_embeds
-    from normswap.io.files import to_json
-
-    if not transform or embeds is None:
-        return {}
-    if transform.get("kind") == "map":
-        proof = compare_inputs_embeds(reference, model, apply(transform, embeds, matrices))
-        transform["verified"] = proof
-        if not proof["passed"]:
-            checked.passed = False
-            checked.failures.append(
-                f"the inputs_embeds map of {FILE} does not hold: " + "; ".join(proof["failures"])
-            )
-    return {FILE: to_json(transform)}
-
-
 def load(folder: str | os.PathLike) -> dict[str, Any]:
     """Read the map of a rotated model's directory (``FILE``), with the matrix it needs from
     ``normswap.rotate.ROTATION_FILE`` under ``"matrices"`` (float64 tensors), ready for ``apply``.

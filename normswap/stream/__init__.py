@@ -1,6 +1,6 @@
-"""Conversion of models larger than memory: weights streamed from safetensors shards (docs/STREAMING.md).
+"""Conversion of models larger than memory: weights streamed from safetensors shards (docs/STREAMING.md;
+the shards are read and written by ``normswap.io.shards``).
 
-* ``shards``: a validating checkpoint reader and a tensor-by-tensor safetensors writer;
 * ``model``: a model whose large weights are read from disk as each module runs;
 * ``plan``: the fold plan as per-tensor operations;
 * ``convert``: the streamed pipeline behind ``normswap convert --max-memory``.

@@ -49,11 +49,11 @@ import torch
 from normswap import progress
 from normswap.errors import NormswapError
 from normswap.io import carry, staging
+from normswap.io.shards import INDEX, CheckpointReader, ShardWriter, nbytes, write_index
 from normswap.stream import dist
 from normswap.stream.model import Streamed, StreamedParameter, build, is_released
 from normswap.stream.plan import layout, make_tensor, tensor_plans
 from normswap.stream.records import DiskRecords
-from normswap.stream.shards import INDEX, CheckpointReader, ShardWriter, nbytes, write_index
 from normswap.stream.verify import fingerprint, record, verify_streamed
 from normswap.walk import short_inputs
 
@@ -341,6 +341,7 @@ def convert_streamed(
             by its plan (before anything is written), or a rotated weight beyond its dtype's range (found as
             it is written: the hidden folder is removed, the output untouched).
     """
+    from normswap import files
     from normswap.check import compare, reference_outputs, reload_original
     from normswap.convert import (
         ROTATED_INPUTS,
@@ -350,7 +351,6 @@ def convert_streamed(
         stream_transform,
     )
     from normswap.fold import plan
-    from normswap.io import files
     from normswap.io.save import input_manifest, report_dict
     from normswap.io.staging import MANIFEST, Staging
     from normswap.progress import Stages
@@ -509,17 +509,16 @@ def convert_streamed(
             )
             extra = {}
             if rotation is not None:  # normswap/inputs_embeds.json, proved on the check's ids as in memory
-                from normswap.rotate.inputs import prove as prove_rotated
+                from normswap.check.maps import prove_rotated
 
                 matrices = {name: m.values for name, m in rotation.matrices.items()}
                 extra = _guarded(lambda: prove_rotated(rotation.inputs, reference, converted.model, embeds,
                                                        matrices, checked), source)  # fmt: skip
             elif centered is not None:  # centering.json, proved on the check's ids as in memory
-                from normswap.center.inputs import prove
+                from normswap.check.maps import prove_centered
 
-                extra = _guarded(
-                    lambda: prove(report.centering, reference, converted.model, embeds, checked), source
-                )
+                extra = _guarded(lambda: prove_centered(report.centering, reference, converted.model, embeds,
+                                                        checked), source)  # fmt: skip
             for name, text in extra.items():
                 (built / name).parent.mkdir(parents=True, exist_ok=True)
                 files.write_text(built / name, text)
@@ -539,7 +538,7 @@ def convert_streamed(
                 **device_peak(device), "choice": choice.to_dict() if choice is not None else None,
             }  # fmt: skip
             if rotation is not None:  # the rotation's float64 matrices and one tensor's temporaries
-                from normswap.memory import rotation_bytes
+                from normswap.rotate.apply import rotation_bytes
 
                 largest = max((t.nbytes // t.dtype.itemsize for t in source.reader.tensors.values()),
                               default=0)  # fmt: skip

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
-from normswap.stream.shards import CheckpointReader
+from normswap.io.shards import CheckpointReader
 
 
 def placeholder(shape, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -18,8 +18,8 @@ import torch
 
 from normswap.errors import NormswapError
 from normswap.fold import FoldPlan, bias_delta, distinct_consumers, scale_and_shift, scale_axis_
+from normswap.io.shards import CheckpointReader
 from normswap.stream.model import Streamed, StreamedParameter, is_released
-from normswap.stream.shards import CheckpointReader
 
 
 @dataclass

@@ -119,9 +119,9 @@ def verify_streamed(
     from normswap.check.core import _forward, peak_rss_mib
     from normswap.io.load import load_config, resolve
     from normswap.io.save import read_manifest
+    from normswap.io.shards import CheckpointReader
     from normswap.sites import NormSite
     from normswap.stream.model import build
-    from normswap.stream.shards import CheckpointReader
     from normswap.swap import swap_norms
 
     failures: list[str] = []

@@ -84,8 +84,8 @@ def check_command(
     )
     from normswap.convert import stream_transform
     from normswap.evaluate import load_for_eval, model_dtype_name, read_text
+    from normswap.files import stamped
     from normswap.io import check_output_file, load, quiet_loading, resolve, write_json
-    from normswap.io.files import stamped
     from normswap.progress import Stages
 
     quiet_loading()
