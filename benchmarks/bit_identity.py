@@ -6,14 +6,14 @@ Three steps, each run by the normswap that is importable (``PYTHONPATH=CHECKOUT`
     python benchmarks/bit_identity.py run DIR OUT.json     # convert every case, hash what was written
     python benchmarks/bit_identity.py compare A.json B.json
 
-``inputs`` saves every zoo row that ``save_pretrained`` can write (``normswap.zoo.tiny_model``, norms
-re-randomized) and SmolLM2-135M as float32 safetensors shards, so that both versions convert the very same
-files whatever their fixtures do. ``run`` converts each input through the CLI (in this process, click's
-runner) with every option set of ``CASES`` (in memory, and streamed with ``--max-memory 64KB`` for causal
-LMs), plus the short-name models from their GGUF/safetensors wheels (``--real``), and records per case: the
-exit code, the summary lines (times dropped), a SHA-256 per written tensor, per other file, and
-``normswap.json`` without its timings. ``compare`` prints the cases whose tensors differ (exit 1 if any),
-then the other differences (files, report keys, summary lines), which a change may make on purpose.
+``inputs`` saves every zoo row that ``save_pretrained`` can write (``normswap.zoo.tiny_model``, constant
+parameters re-randomized) and SmolLM2-135M as float32 safetensors shards, so that both versions convert the
+very same files whatever their fixtures do. ``run`` converts each input through the CLI (in this process,
+click's runner) with every option set of ``CASES`` (in memory, and streamed with ``--max-memory 64KB`` for
+causal LMs), plus the short-name models from their GGUF/safetensors wheels (``--real``), and records per case:
+the exit code, the summary lines (times dropped), a SHA-256 per written tensor, per other file, and
+``normswap.json`` without its timings. ``compare`` prints the cases whose tensors differ (exit 1 if any), then
+the other differences (files, report keys, summary lines), which a change may make on purpose.
 """
 
 from __future__ import annotations

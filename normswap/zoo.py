@@ -3,8 +3,10 @@
 Every zoo model is built from its Hugging Face config at a tiny size (vocab 128, hidden 64, intermediate 128,
 2 layers, 4 heads, 2 KV heads, head_dim 16 unless the architecture needs otherwise), in float32 and eval
 mode, from a fixed seed. transformers initializes norm weights at their identity (1, or 0 for ``(1 + w)``
-norms) and biases at 0, which hides every folding bug, so every norm parameter is re-randomized: identity
-plus U(-0.5, 0.5). The norms are found with ``normswap.inspect``, never by name.
+norms) and biases at 0, which hides every folding bug, so every parameter its initialization left constant
+is re-randomized to that constant plus U(-0.5, 0.5) (``randomize_constants``), and so are BatchNorm running
+statistics. This works by parameter, never through normswap's own walk: a norm the walk misses still
+computes a non-identity map, and the conversion must keep it.
 
 The per-architecture config overrides below are test fixtures (how to make each config tiny and valid), not
 knowledge the walker uses.
@@ -296,37 +298,70 @@ def tiny_config(model_type: str, **config_overrides):
     return AutoConfig.for_model(model_type, **values)
 
 
-@torch.no_grad()
-def randomize_norms(model: nn.Module, seed: int = 1, example_inputs=None) -> None:
-    """Set every norm's scale to its identity (1, or 0 for ``(1 + w)`` norms) plus U(-0.5, 0.5), every
-    norm bias and BatchNorm running mean to U(-0.5, 0.5) and every running variance to 1 + U(-0.5, 0.5), in
-    place. Norms are found by ``normswap.inspect`` (behaviour, not names) on ``example_inputs`` (default:
-    ``normswap.walk.example_inputs``)."""
-    from normswap.convert import inspect
+# running statistics torch's BatchNorm/InstanceNorm (``_NormBase``) keep as buffers, and their initial values
+_RUNNING_STATS = {"running_mean": 0.0, "running_var": 1.0}
 
+
+@torch.no_grad()
+def randomize_constants(model: nn.Module, seed: int = 1) -> list[str]:
+    """Move every parameter its initialization left constant to that constant plus U(-0.5, 0.5), in place.
+
+    transformers initializes norm scales at 1 (0 for ``(1 + w)`` norms) and norm and linear biases at 0,
+    which hides every folding bug. This works by parameter, never through normswap (the code under test):
+    a norm normswap's walk misses still computes a non-identity map. Every floating parameter of more than
+    one element whose elements are all equal (all ones: a scale; all zeros: a ``(1 + w)`` scale or a bias;
+    any other constant: a layer scale) gets ``constant + U(-0.5, 0.5)``, drawn in float64 from a generator
+    seeded with ``seed``, in ``named_parameters`` order (tied parameters once), and rounded to the
+    parameter's dtype. Parameters that are not constant (projections, embeddings) keep their values.
+
+    Exceptions, by what they are, not by name:
+
+    * single-element parameters: a constant tells nothing there, their initial value is a chosen one
+      (xIELU's ``alpha_p``/``alpha_n`` in Apertus), and no norm scale is a scalar in the zoo;
+    * buffers are not parameters and keep their values (DeepSeek-V3's ``e_score_correction_bias``,
+      Falcon-H1's ``mup_vector``), except the BatchNorm running statistics below.
+
+    Buffers named ``running_mean`` and ``running_var`` (torch's names for a BatchNorm's statistics, ``0``
+    and ``1`` at initialization) get ``0 + U(-0.5, 0.5)`` and ``1 + U(-0.5, 0.5)`` where they are still at
+    those values: an eval-mode BatchNorm at its initial statistics is almost the identity and hides a wrong
+    fold just as a weight of 1 does.
+
+    Args:
+        model: any ``nn.Module``; changed in place.
+        seed: the generator's seed.
+
+    Returns:
+        The names (``named_parameters`` / ``named_buffers`` names) of the tensors it moved, in order.
+    """
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    for site in inspect(model, example_inputs=example_inputs):
-        module = model.get_submodule(site.name)
-        for attr, base in (
-            (site.weight, 1.0 - site.offset),
-            (site.bias, 0.0),
-            (site.mean, 0.0),
-            (site.var, 1.0),
-        ):
-            if attr is None:
-                continue
-            p = getattr(module, attr)
-            noise = torch.rand(p.shape, generator=gen, dtype=torch.float64, device="cpu") - 0.5
-            p.copy_((base + noise).to(p.device, p.dtype))
+    moved = []
+
+    def move(name: str, t: torch.Tensor, base: float) -> None:
+        noise = torch.rand(t.shape, generator=gen, dtype=torch.float64, device="cpu") - 0.5
+        t.copy_((base + noise).to(t.device, t.dtype))
+        moved.append(name)
+
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.numel() > 1:
+            first = p.detach().reshape(-1)[0]
+            if bool((p == first).all()):
+                move(name, p, first.item())
+    for name, b in model.named_buffers():
+        base = _RUNNING_STATS.get(name.rsplit(".", 1)[-1])
+        if base is not None and b.is_floating_point() and bool((b == base).all()):
+            move(name, b, base)
+    return moved
 
 
 def tiny_model(model_type: str, seed: int = 0, **config_overrides) -> nn.Module:
-    """Build a tiny random model of ``model_type`` in float32 and eval mode, norms re-randomized.
+    """Build a tiny random model of ``model_type`` in float32 and eval mode, every parameter its
+    initialization left constant re-randomized (``randomize_constants``: norm weights and biases, linear
+    biases, layer scales; BatchNorm running statistics).
 
     Args:
         model_type: a transformers ``model_type`` (``"llama"``, ``"gpt2"``, ``"t5"``, ...) or ``"custom"``
             (``CustomLM``, hand-written norms under names that say nothing about norms).
-        seed: torch seed for the weights; the norm noise uses ``seed + 1``.
+        seed: torch seed for the weights; ``randomize_constants`` uses ``seed + 1``.
         **config_overrides: config values replacing the tiny defaults; ``experts_implementation``
             (``"eager"``, ``"batched_mm"``, ``"grouped_mm"``) is passed to ``from_config`` instead.
 
@@ -347,7 +382,7 @@ def tiny_model(model_type: str, seed: int = 0, **config_overrides) -> nn.Module:
         config = tiny_config(model_type, **config_overrides)
         model = _auto_class(config).from_config(config, dtype=torch.float32, **options)
     model = model.float().eval()
-    randomize_norms(model, seed + 1)
+    randomize_constants(model, seed + 1)
     return model
 
 
@@ -699,8 +734,10 @@ def coverage_markdown(results: list[ZooResult]) -> str:
         "tests/test_zoo.py. Do not edit by hand.",
         "",
         f"Each row is a tiny random model built from its transformers {transformers.__version__} config",
-        "(vocab 128, hidden 64, 2 layers; float32) with every norm weight and bias re-randomized",
-        "(identity + U(-0.5, 0.5)), converted in place by `normswap.convert(model)` (fold + swap), and",
+        "(vocab 128, hidden 64, 2 layers; float32) with every parameter its initialization left constant",
+        "(norm weights and biases, linear biases, layer scales) and every BatchNorm running statistic",
+        "re-randomized by parameter, not through normswap (constant + U(-0.5, 0.5)), converted in place by",
+        "`normswap.convert(model)` (fold + swap), and",
         "compared with its unconverted deepcopy on 2 x 16 token ids the conversion did not trace with",
         "(speech and vision rows: a random waveform or image of another seed). BatchNorm and affine-only",
         "norms (`batchnorm`, `affine`) are folded into a neighbouring linear map or convolution where exact,",

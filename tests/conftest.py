@@ -1,12 +1,15 @@
-"""Shared fixtures: tiny random models (norm parameters re-randomized), fixed input ids, a tiny GGUF file.
+"""Shared fixtures: tiny random models (constant parameters re-randomized), fixed input ids, a tiny GGUF file.
 
 transformers initializes norm weights at 1 (0 for Gemma's (1+w) norms) and biases at 0, which hides fold
-bugs: every tiny model here gets its norm parameters moved to ``base + U(-0.5, 0.5)`` after building.
+bugs: every tiny model here gets each parameter its initialization left constant moved to ``constant +
+U(-0.5, 0.5)`` after building, and BatchNorm running statistics too (``normswap.zoo.randomize_constants``).
+This goes by parameter, never through normswap's walk (the code under test): a norm the walk misses keeps a
+non-identity weight, so a test that compares outputs still sees it.
 
 Fixtures (all function-scoped, deterministic):
 
 * ``tiny_model(model_type, *, dtype=torch.float32, seed=0, **config_overrides)``
-  -> ``normswap.zoo.tiny_model`` cast to ``dtype`` (eval mode, norms re-randomized);
+  -> ``normswap.zoo.tiny_model`` cast to ``dtype`` (eval mode, constant parameters re-randomized);
 * ``tiny_config(model_type, **config_overrides)`` -> its config, unbuilt;
 * ``input_ids`` -> ``LongTensor (2, 16)`` in ``[0, 128)`` from a fixed seed;
 * ``tiny_gguf(tmp_path)`` -> path of a small Llama ``.gguf`` file (float32 tensors, 128-token vocabulary).
@@ -33,7 +36,7 @@ VOCAB = 128
 
 
 def make_tiny_model(model_type: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
-    """``normswap.zoo.tiny_model`` (norms found by ``inspect`` and re-randomized), cast to ``dtype``."""
+    """``normswap.zoo.tiny_model`` (constant parameters re-randomized by value), cast to ``dtype``."""
     return tiny_zoo_model(model_type, seed=seed, **overrides).to(dtype)
 
 

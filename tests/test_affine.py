@@ -20,7 +20,7 @@ from torch import nn
 import normswap
 from normswap.affine import probe_affine
 from normswap.sites import NormSite
-from normswap.zoo import randomize_norms, tiny_model
+from normswap.zoo import randomize_constants, tiny_model
 
 TOL = 1e-5
 
@@ -367,7 +367,7 @@ def test_cli_converts_a_speech_model_on_a_random_waveform(tmp_path):
     assert checked.exit_code == 0 and "PASS" in checked.output and "last_hidden_state" in checked.output
 
 
-def test_randomize_norms_moves_batchnorm_statistics():
+def test_tiny_model_moves_batchnorm_statistics():
     model = tiny_model("resnet")
     x = normswap.zoo.example_inputs(model)
     sites = normswap.inspect(model, example_inputs=x)
@@ -375,7 +375,20 @@ def test_randomize_norms_moves_batchnorm_statistics():
     for s in sites:
         bn = model.get_submodule(s.name)
         assert (bn.running_var - 1).abs().max() > 0.05 and bn.running_mean.abs().max() > 0.05
+        assert (bn.weight - 1).abs().max() > 0.05 and bn.bias.abs().max() > 0.05
+
+
+def test_randomize_constants_moves_batchnorm_by_parameter_and_statistics_by_torch_name():
+    """By parameter and by torch's buffer names, not through normswap: the conv weight (random at
+    initialization) and ``num_batches_tracked`` (an integer) stay; each moved tensor is within 0.5 of its
+    initial constant and no longer constant."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 1, bias=False))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    randomize_norms(model, seed=5, example_inputs=x)  # by behaviour: the same sites, new values
-    changed = {k.rsplit(".", 1)[-1] for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
-    assert changed == {"weight", "bias", "running_mean", "running_var"}
+    moved = randomize_constants(model, seed=5)
+    assert moved == ["1.weight", "1.bias", "1.running_mean", "1.running_var"]
+    after = model.state_dict()
+    assert {k for k in after if not torch.equal(before[k], after[k])} == set(moved)
+    for name in moved:
+        off = (after[name] - before[name]).abs()
+        assert off.max() <= 0.5 and off.max() > 0.2 and after[name].std() > 0.1
+    assert randomize_constants(model, seed=5) == []  # nothing constant is left

@@ -4,7 +4,9 @@ Every comparison is against the unconverted model (a deepcopy) or a float64 form
 float32 centering + fold + swap is exact up to rounding (measured 1e-8 .. 5e-7 on these tiny models, whose
 logits are O(1)); 1e-5 is the issue's bound. Wrong conversions seen while building this (centering a tied
 lm_head, forgetting a writer's bias, treating BLOOM's embedding norm as an ordinary writer) were off by
-1e-2 or more. The zoo re-randomizes every norm weight and bias (identity +- U(-0.5, 0.5)).
+1e-2 or more. The zoo re-randomizes every parameter its initialization left constant, by parameter (norm
+weights and biases, linear biases: constant +- U(-0.5, 0.5)), so a writer bias left uncentered or a consumer
+bias the fold forgets shows.
 """
 
 from __future__ import annotations
@@ -53,18 +55,6 @@ ARCHITECTURES = [
 ]
 
 
-def _model(model_type: str, **overrides) -> nn.Module:
-    """A zoo model with every bias re-randomized too: transformers initializes linear biases at 0, which
-    would hide a writer bias left uncentered (and a consumer bias the fold forgets)."""
-    model = tiny_model(model_type, **overrides)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.rsplit(".", 1)[-1] == "bias":
-                p.add_(torch.rand(p.shape, generator=gen) - 0.5)
-    return model
-
-
 def _id(case) -> str:
     model_type, overrides = case
     return model_type + "".join(f"-{k}={v}" for k, v in overrides.items())
@@ -95,7 +85,7 @@ def _mean_ratios(model: nn.Module, names: list[str], ids: torch.Tensor) -> list[
 @pytest.mark.parametrize("case", ARCHITECTURES, ids=_id)
 def test_rmsnorm_conversion_is_exact(case):
     model_type, overrides = case
-    model = _model(model_type, **overrides)
+    model = tiny_model(model_type, **overrides)
     reference = copy.deepcopy(model)
     ids = example_ids()
     before = model_outputs(reference, ids)
@@ -115,7 +105,7 @@ def test_rmsnorm_conversion_is_exact(case):
 
 
 def test_gpt2_tied_embedding_is_untied_and_final_bias_kept():
-    model = _model("gpt2")
+    model = tiny_model("gpt2")
     wte = model.transformer.wte.weight.detach().clone()
     report = convert(model, norm="rmsnorm")
     assert report.untied == ["lm_head.weight"]
@@ -134,14 +124,14 @@ def test_gpt2_tied_embedding_is_untied_and_final_bias_kept():
     [("falcon", dict(new_decoder_architecture=True), "bias"), ("stablelm", {}, "use_qkv_bias")],
 )
 def test_config_flag_adds_biases_that_absorb_the_norm_bias(model_type, overrides, flag):
-    model = _model(model_type, **overrides)
+    model = tiny_model(model_type, **overrides)
     assert getattr(model.config, flag) is False
     report = convert(model, norm="rmsnorm")
     assert getattr(model.config, flag) is True
     folded = [s for s in report.sites if s.folded]
     assert folded and all(c.bias is not None for s in folded for c in s.consumers)
     # a checkpoint of the converted model loads in plain transformers with the same biases
-    _check_plain_reload(model, _model(model_type, **overrides))
+    _check_plain_reload(model, tiny_model(model_type, **overrides))
 
 
 def _check_plain_reload(converted: nn.Module, original: nn.Module) -> None:
@@ -157,7 +147,7 @@ def _check_plain_reload(converted: nn.Module, original: nn.Module) -> None:
 
 @pytest.mark.parametrize("model_type", ["gpt2", "bloom", "cohere"])
 def test_saved_checkpoint_loads_in_plain_transformers(model_type):
-    model = _model(model_type)
+    model = tiny_model(model_type)
     original = copy.deepcopy(model)
     convert(model, norm="rmsnorm")
     _check_plain_reload(model, original)
@@ -171,7 +161,7 @@ def test_manifest_sites_rebuild_the_fused_rmsnorms_on_a_reloaded_checkpoint(mode
     from normswap.sites import NormSite
     from normswap.swap import swap_norms
 
-    model = _model(model_type)
+    model = tiny_model(model_type)
     original = copy.deepcopy(model)
     report = convert(model, norm="rmsnorm")
     assert any(s.kind == "rmsnorm" and s.bias for s in report.sites)  # a final norm kept its bias
@@ -186,7 +176,7 @@ def test_manifest_sites_rebuild_the_fused_rmsnorms_on_a_reloaded_checkpoint(mode
 
 
 def test_bloom_embedding_norm_outputs_the_centered_original_rows():
-    model = _model("bloom")
+    model = tiny_model("bloom")
     original = copy.deepcopy(model)
     report = convert(model, norm="rmsnorm")
     site = next(s for s in report.sites if s.name == "transformer.word_embeddings_layernorm")
@@ -207,7 +197,7 @@ def test_bloom_embedding_norm_outputs_the_centered_original_rows():
 
 
 def test_per_head_norm_centers_each_head_of_its_projection():
-    model = _model("cohere", use_qk_norm=True)
+    model = tiny_model("cohere", use_qk_norm=True)
     report = convert(model, norm="rmsnorm")
     attn = model.model.layers[0].self_attn
     head_dim = model.config.hidden_size // model.config.num_attention_heads
@@ -221,7 +211,7 @@ def test_per_head_norm_centers_each_head_of_its_projection():
 
 
 def test_rmsnorm_model_is_never_centered():
-    model = _model("llama")
+    model = tiny_model("llama")
     keep = copy.deepcopy(model)
     convert(keep)
     convert(model, norm="rmsnorm")
@@ -255,7 +245,7 @@ def _refusal_model(name: str) -> nn.Module:
         "bloom-post-ln": ("bloom", dict(apply_residual_connection_post_layernorm=True)),
         "gpt2-no-untie": ("gpt2", {}),
     }[name]
-    return _model(model_type, **overrides)
+    return tiny_model(model_type, **overrides)
 
 
 @pytest.mark.parametrize(
@@ -294,7 +284,7 @@ def test_failure_before_commit_leaves_the_model_unchanged(monkeypatch):
     """Falcon exercises every prepared step (untie, config-flag biases, centering); fail in the middle."""
     import normswap.center.rewrite as rewrite
 
-    model = _model("falcon", new_decoder_architecture=True)
+    model = tiny_model("falcon", new_decoder_architecture=True)
     state = _state(model)
     calls = []
     real = rewrite.centered

@@ -15,7 +15,7 @@ from torch import nn
 
 import normswap
 from normswap.walk import walk
-from normswap.zoo import Squash, Standardize, randomize_norms, tiny_model
+from normswap.zoo import Squash, Standardize, randomize_constants, tiny_model
 
 TOL = 1e-5
 
@@ -115,7 +115,7 @@ class _Net(nn.Module):
 def test_weight_on_the_left_bias_after_squeeze_and_shape_only_uses():
     torch.manual_seed(0)
     model = _Net().eval()
-    randomize_norms(model)
+    randomize_constants(model)
     reference = copy.deepcopy(model)
     report = normswap.convert(model)
     site = report.sites[0]
@@ -170,7 +170,7 @@ _ALL_IDS = torch.arange(128).reshape(4, 32)
 def _moe(widths):
     torch.manual_seed(0)
     model = HashMoE(widths).eval()
-    randomize_norms(model)
+    randomize_constants(model)
     return model, copy.deepcopy(model)
 
 

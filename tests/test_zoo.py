@@ -247,3 +247,21 @@ def test_tiny_model_randomizes_every_norm():
         assert (w - identity).abs().max() <= 0.5 and (w - identity).abs().max() > 0.3
         assert float(w.detach().std()) > 0.1
     assert model.dtype == torch.float32 and not model.training
+
+
+@pytest.mark.parametrize("name", ["gemma", "qwen3_next", "wav2vec2_conformer", "swiftformer"])
+def test_tiny_model_leaves_no_parameter_constant(name):
+    """The fixture moves parameters by value, not through normswap's walk: a norm the walk does not list
+    (Qwen3-Next's gated ``linear_attn.norm``, whose probe needs its gate; the conformer's GroupNorm over
+    time) still carries a non-identity weight, and so do linear biases and layer scales."""
+    entry = next(e for e in ZOO if e.name == name)
+    model = tiny_model(entry.model_type, **entry.overrides)
+    constant = [
+        n
+        for n, p in model.named_parameters()
+        if p.is_floating_point() and p.numel() > 1 and bool((p == p.reshape(-1)[0]).all())
+    ]
+    assert constant == []
+    for n, b in model.named_buffers():  # BatchNorm statistics, by torch's names
+        if n.endswith(("running_mean", "running_var")):
+            assert b.std() > 0.1, n
