@@ -457,9 +457,7 @@ def inspect(model, dtype, trust_remote_code, device, device_map, json_path, no_u
     if not sites:
         raise NormswapError(f"{model}: {no_norms_message(traced)}")
     if json_path is not None:
-        io.write_json(
-            json_path, files.stamped({"model": model, "sites": [site.to_dict() for site in sites]})
-        )
+        io.write_json(json_path, files.stamped({"model": model, "sites": [site.to_dict() for site in sites]}))
     click.echo(_site_table(sites))
 
 
