@@ -51,7 +51,7 @@ from normswap.errors import NormswapError
 from normswap.io import carry, staging
 from normswap.stream import dist
 from normswap.stream.model import Streamed, StreamedParameter, build, is_released
-from normswap.stream.plan import layout, make_tensor, tensor_plans
+from normswap.stream.plan import layout, make_pieces, make_tensor, tensor_plans
 from normswap.stream.records import DiskRecords
 from normswap.stream.shards import INDEX, CheckpointReader, ShardWriter, nbytes, write_index
 from normswap.stream.verify import fingerprint, record, verify_streamed
@@ -250,13 +250,33 @@ def write_shards(
 ) -> None:
     """Write the output shards ``files`` (the input's shard names) into ``folder``, tensor by tensor, each
     made on ``device``; each tensor's ``stream.verify.fingerprint`` goes into ``written`` (name ->
-    fingerprint) when given."""
+    fingerprint) when given.
+
+    A checkpoint tensor that is a piece of an assembled parameter (``stream.assemble``: one expert's
+    ``gate_proj``) is split from that parameter, made whole (``make_pieces``); the pieces are held until each
+    of them in ``files`` is written (safetensors orders a shard's tensors by name, so two groups of a layer
+    interleave), then released."""
     shards = layout(reader, plans)
+    wanted: dict[int, set[str]] = {}  # id(group) -> its pieces still to be written by this call
+    for file in files:
+        for name, _, _ in shards[file]:
+            if plans[name].piece_of is not None:
+                wanted.setdefault(id(plans[name].piece_of), set()).add(name)
+    pieces: dict[int, dict[str, torch.Tensor]] = {}
     for file in files:
         writer = ShardWriter(folder / file, shards[file])
         try:
             for name, _, _ in shards[file]:
-                tensor = make_tensor(reader, plans, name, device)
+                group = plans[name].piece_of
+                if group is None:
+                    tensor = make_tensor(reader, plans, name, device)
+                else:
+                    if id(group) not in pieces:
+                        pieces[id(group)] = make_pieces(reader, plans, group, device)
+                    tensor = pieces[id(group)].pop(name).contiguous()
+                    wanted[id(group)].discard(name)
+                    if not wanted[id(group)]:
+                        del pieces[id(group)]
                 if written is not None:
                     written[name] = fingerprint(tensor)
                 writer.write(name, tensor)

@@ -1,0 +1,98 @@
+"""Streamed conversion of mixture-of-experts checkpoints stored one tensor per expert.
+
+transformers 5 saves Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and DeepSeek-V3 with one tensor per expert
+(``...experts.3.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.3.w1.weight``) and stacks them into
+one parameter as it loads (``experts.gate_up_proj``). Each model is saved by transformers in small shards
+and converted twice through the CLI, in memory and streamed (``--max-memory 4KB``, below any shard); the
+references are independent of the streamed path:
+
+* the in-memory output (itself checked against the original by the CLI's logits check): the streamed output
+  holds the same tensors, bit for bit, with the same sites;
+* the input: the streamed output has exactly its tensor names, each in the shard file it came from;
+* the original model: a fresh plain ``transformers`` load of the streamed output gives its logits within
+  1e-5 (float32; the fold rounds each weight once, about 1e-7 relative, and a rotation's float32 forward
+  differs by a few float32 ulps of the logits: measured below 1e-6 on these models).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from test_stream import (
+    _one_error_line,
+    assert_same_checkpoint,
+    convert_both,
+    run,
+    save_sharded,
+    tokenizer,  # noqa: F401 - the module fixture
+)
+
+from normswap.stream.shards import INDEX, CheckpointReader
+
+_SLOW = pytest.mark.slow
+# (model type, extra options): Mixtral (renamed block_sparse_moe, w1/w3/w2) plain, Qwen3-MoE rotated in the
+# default run; the other layouts, the other option and bfloat16 marked slow.
+ROWS = [("mixtral", ()), ("qwen3_moe", ("--rotate", "hadamard"))] + [
+    pytest.param(name, extra, marks=_SLOW)
+    for name, extra in (
+        ("qwen3_moe", ()),
+        ("olmoe", ()),
+        ("qwen2_moe", ()),
+        ("deepseek_v3", ()),
+        ("mixtral", ("--rotate", "hadamard")),
+    )
+]
+
+
+def _placement(folder) -> dict[str, str]:
+    reader = CheckpointReader(folder)
+    return {name: info.file for name, info in reader.tensors.items()}
+
+
+@pytest.mark.parametrize(("name", "extra"), ROWS)
+def test_moe_streams_in_its_own_layout(name, extra, tokenizer, tmp_path):  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
+    model = make_tiny_model(name)
+    src = save_sharded(model, tokenizer, tmp_path / "src")
+    placement = _placement(src)
+    assert any(".experts.1." in n for n in placement)  # stored per expert
+    assert not any(n.endswith("experts.gate_up_proj") for n in placement)
+    assert len(set(placement.values())) > 2
+    memory, streamed = convert_both(src, tmp_path, *extra)
+    assert_same_checkpoint(memory, streamed)
+    assert _placement(streamed) == placement  # the input's names, each in its own shard
+    index = json.loads((streamed / INDEX).read_text())
+    assert set(index["weight_map"]) == set(placement)
+    report = json.loads((streamed / "normswap.json").read_text())
+    assert report["streamed"]["peak_weight_bytes"] > 0
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    fresh = AutoModelForCausalLM.from_pretrained(streamed, dtype=torch.float32).eval()
+    with torch.no_grad():
+        before, after = model(ids).logits, fresh(ids).logits
+    assert (before - after).abs().max().item() <= 1e-5
+
+
+@_SLOW
+def test_moe_bfloat16_streams(tokenizer, tmp_path):  # noqa: F811
+    src = save_sharded(make_tiny_model("qwen3_moe").to(torch.bfloat16), tokenizer, tmp_path / "src")
+    memory, streamed = convert_both(src, tmp_path, "--dtype", "bfloat16")
+    assert_same_checkpoint(memory, streamed)
+    assert _placement(streamed) == _placement(src)
+
+
+def test_missing_expert_is_refused(tokenizer, tmp_path):  # noqa: F811
+    """A checkpoint whose expert tensors do not assemble into the model's parameter: one line, nothing
+    written."""
+    src = save_sharded(make_tiny_model("qwen3_moe"), tokenizer, tmp_path / "src", "1GB")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    r = run("convert", src, "--output", tmp_path / "out", "--tokens", "64", "--max-memory", "4KB")
+    _one_error_line(r, "model.layers.1.mlp.experts.gate_up_proj", "do not fit the model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
