@@ -461,6 +461,7 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
         tokenizer=True,  # the model's own, saved with the output; --tokenizer only tokenizes the check's text
         device=device,
         device_map=device_map,
+        float_weights=True,  # a checkpoint stored quantized is refused before it is loaded
     )
     check_tokenizer = loaded.tokenizer
     if tokenizer_name is not None:

@@ -96,3 +96,51 @@ def test_missing_expert_is_refused(tokenizer, tmp_path):  # noqa: F811
     r = run("convert", src, "--output", tmp_path / "out", "--tokens", "64", "--max-memory", "4KB")
     _one_error_line(r, "model.layers.1.mlp.experts.gate_up_proj", "do not fit the model")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.fixture(scope="module")
+def llama_src(tokenizer, tmp_path_factory):  # noqa: F811
+    return save_sharded(make_tiny_model("llama"), tokenizer, tmp_path_factory.mktemp("quantized") / "src")
+
+
+def _fp8_config(src):
+    config = json.loads((src / "config.json").read_text())
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    config["quantization_config"] = fp8  # as DeepSeek-V3's release
+    (src / "config.json").write_text(json.dumps(config))
+    return "fp8 with 128x128 block scales", "FineGrainedFP8Config(dequantize=True)"
+
+
+def _compressed_config(src):
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (src / "config.json").write_text(json.dumps(config))
+    return "compressed-tensors (pack-quantized)", "CompressedTensorsConfig(run_compressed=False)"
+
+
+def _scale_tensors(src):
+    """No quantization_config (a config edited by hand), but fp8 block scales beside the weights."""
+    from safetensors.torch import save_file
+
+    index = json.loads((src / INDEX).read_text())
+    name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    save_file({name: torch.ones(1, 1)}, src / "scales.safetensors", metadata={"format": "pt"})
+    index["weight_map"][name] = "scales.safetensors"
+    (src / INDEX).write_text(json.dumps(index))
+    return "fp8 with block scales (weight_scale_inv tensors)", "FineGrainedFP8Config(dequantize=True)"
+
+
+@pytest.mark.parametrize("stored", [_fp8_config, _compressed_config, _scale_tensors])
+@pytest.mark.parametrize("options", [(), ("--max-memory", "4KB")], ids=["memory", "streamed"])
+def test_quantized_checkpoint_is_refused(stored, options, llama_src, tmp_path):
+    """A checkpoint stored quantized: one line naming the format and the fix, exit 2, nothing written, the
+    input untouched; in memory and streamed."""
+    import shutil
+
+    src = shutil.copytree(llama_src, tmp_path / "src")
+    fmt, how = stored(src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    r = run("convert", src, "--output", tmp_path / "out", "--tokens", "64", *options)
+    _one_error_line(r, f"stored quantized ({fmt})", "convert a bfloat16 copy", how)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before

@@ -115,22 +115,47 @@ def fetch_hub(repo_id: str, trust_remote_code: bool = False) -> str:
     each file to disk as it downloads (never whole in memory), resumes, and reuses the cache.
 
     Raises:
-        NormswapError: the hub cannot be reached (offline), the repository or a file does not exist, or
-            access is refused; one line.
+        NormswapError: the hub cannot be reached (offline), the repository or a file does not exist,
+            access is refused, or its config says the checkpoint is stored quantized (before the weights
+            are fetched); one line.
     """
     from huggingface_hub import snapshot_download
 
     small = HUB_FILES + (["*.py"] if trust_remote_code else [])
     try:
         path = Path(snapshot_download(repo_id, allow_patterns=small))
+    except Exception as error:  # noqa: BLE001 - huggingface_hub raises many kinds; each is one line here
+        raise _fetch_failed(repo_id, error) from error
+    _refuse_quantized_repo(repo_id, path)  # from its config, before its weights are fetched
+    try:
         index = path / INDEX
         weights = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
         path = Path(snapshot_download(repo_id, allow_patterns=small + (weights or ["model.safetensors"])))
     except Exception as error:  # noqa: BLE001 - huggingface_hub raises many kinds; each is one line here
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise NormswapError(f"{repo_id}: cannot fetch from the Hugging Face hub ({type(error).__name__}: "
-                            f"{first})") from error  # fmt: skip
+        raise _fetch_failed(repo_id, error) from error
     return str(path)
+
+
+def _fetch_failed(repo_id: str, error: Exception) -> NormswapError:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return NormswapError(
+        f"{repo_id}: cannot fetch from the Hugging Face hub ({type(error).__name__}: {first})"
+    )
+
+
+def _refuse_quantized_repo(repo_id: str, folder: Path) -> None:
+    """``normswap.io.load.refuse_quantized`` from the ``quantization_config`` of a fetched ``config.json``."""
+    import types
+
+    from normswap.io.load import Resolved, refuse_quantized
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):  # none, or not JSON: the config's own load says what is wrong
+        return
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    config = types.SimpleNamespace(quantization_config=quantization)
+    refuse_quantized(Resolved(repo_id, "hub", repo_id), config)
 
 
 def open_source(
@@ -146,10 +171,18 @@ def open_source(
 
     Raises:
         NormswapError: MODEL is not such a directory or hub id (a .gguf file), a hub id cannot be
-            fetched, not a causal LM, has a missing/truncated/corrupt shard, or a tokenizer that cannot be
-            loaded.
+            fetched, is stored quantized (``normswap.io.load.refuse_quantized``), not a causal LM, has a
+            missing/truncated/corrupt shard, or a tokenizer that cannot be loaded.
     """
-    from normswap.io.load import ModelInfo, is_causal_lm, load_config, load_tokenizer, resolve, resolve_dtype
+    from normswap.io.load import (
+        ModelInfo,
+        is_causal_lm,
+        load_config,
+        load_tokenizer,
+        refuse_quantized,
+        resolve,
+        resolve_dtype,
+    )
 
     resolved = resolve(model)
     kind = resolved.kind
@@ -161,6 +194,7 @@ def open_source(
             "not a GGUF file"
         )
     config = load_config(resolved, trust_remote_code=trust_remote_code)
+    refuse_quantized(resolved, config)
     reader = CheckpointReader(resolved.path)
     torch_type = resolve_dtype(dtype, resolved, config)
     if not is_causal_lm(config):
