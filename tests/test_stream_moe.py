@@ -77,9 +77,10 @@ def test_moe_streams_in_its_own_layout(name, extra, tokenizer, tmp_path):  # noq
 
 
 @_SLOW
-def test_moe_bfloat16_streams(tokenizer, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("extra", [(), ("--rotate", "hadamard")], ids=["plain", "rotated"])
+def test_moe_bfloat16_streams(extra, tokenizer, tmp_path):  # noqa: F811
     src = save_sharded(make_tiny_model("qwen3_moe").to(torch.bfloat16), tokenizer, tmp_path / "src")
-    memory, streamed = convert_both(src, tmp_path, "--dtype", "bfloat16")
+    memory, streamed = convert_both(src, tmp_path, "--dtype", "bfloat16", *extra)
     assert_same_checkpoint(memory, streamed)
     assert _placement(streamed) == _placement(src)
 
