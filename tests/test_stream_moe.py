@@ -145,3 +145,31 @@ def test_quantized_checkpoint_is_refused(stored, options, llama_src, tmp_path):
     _one_error_line(r, f"stored quantized ({fmt})", "convert a bfloat16 copy", how)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+@_SLOW
+def test_moe_two_processes_write_the_same_bytes(tokenizer, tmp_path):  # noqa: F811
+    """``accelerate launch --multi_gpu --num_processes 2`` on the CPU (gloo): each process writes its shards
+    (an expert group split over shards of both processes is assembled by each), byte-identical to one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_stream import assert_verified
+
+    src = save_sharded(make_tiny_model("mixtral"), tokenizer, tmp_path / "src")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run("convert", src, "--output", one, "--tokens", "64", "--max-memory", "4KB").exit_code == 0
+    root = Path(__file__).resolve().parent.parent
+    launch = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no", "--main_process_port", "29533"]  # fmt: skip
+    args = ["convert", str(src), "--output", str(two), "--tokens", "64", "--max-memory", "4KB"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "normswap", *args]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = sorted(p.name for p in one.glob("*.safetensors"))
+    assert files == sorted(p.name for p in two.glob("*.safetensors")) and len(files) > 2
+    for name in [*files, INDEX]:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    assert json.loads((two / "normswap.json").read_text())["streamed"]["processes"] == 2
+    assert_verified(two, done.stdout)
