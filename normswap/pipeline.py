@@ -140,6 +140,7 @@ def _convert_in_memory(model, output, options, stages, report, report_file) -> C
         tokenizer=True,  # the model's own, saved with the output; --tokenizer only tokenizes the check's text
         device=o.device,
         device_map=o.device_map,
+        float_weights=True,  # a checkpoint stored quantized is refused before it is loaded
     )
     check_tokenizer = loaded.tokenizer
     if o.tokenizer is not None:

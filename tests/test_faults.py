@@ -919,14 +919,12 @@ def test_c28_tensors_the_loader_skips_reach_the_output(tmp_path, streamed):
     """C28: DeepSeek-V3's MTP layer (transformers skips model.layers.61.* on load) was silently dropped.
     Now every input tensor reaches the output, bit for bit; the report and the summary list them; the final
     norm, whose output they may read, stays unfolded; the output is verified and reloads in transformers
-    within 1e-5 of the original. In memory the tiny model has routed experts (transformers stacks them as it
-    loads and writes them back per expert: not taken for skipped tensors); streamed, all layers are dense
-    (streaming refuses stacked experts)."""
+    within 1e-5 of the original. The tiny model has routed experts (transformers stacks them as it loads and
+    writes them back per expert: not taken for skipped tensors), also streamed."""
     from transformers import AutoModelForCausalLM
 
     src = tmp_path / "src"
-    overrides = {"first_k_dense_replace": 2} if streamed else {}
-    model, mtp = deepseek_with_mtp(src, **overrides)
+    model, mtp = deepseek_with_mtp(src)
     before = tree(src)
     out, report = tmp_path / "out", tmp_path / "r.json"
     result = run("convert", src, "--output", out, "--report", report, *FEW, *streamed)
@@ -961,8 +959,7 @@ def test_c28_one_file_input_gives_one_file_output(tmp_path, streamed):
     tensors stays one file (in memory they were written to a second shard with an index), every tensor
     bit for bit."""
     src = tmp_path / "src"
-    dense = {"first_k_dense_replace": 2} if streamed else {}  # streaming refuses stacked experts
-    model = make_tiny_model("deepseek_v3", tie_word_embeddings=False, vocab_size=SMALL_VOCAB, **dense)
+    model = make_tiny_model("deepseek_v3", tie_word_embeddings=False, vocab_size=SMALL_VOCAB)
     model.save_pretrained(src)
     byte_tokenizer(src)
     mtp = _mtp_tensors(model.config)

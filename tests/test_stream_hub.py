@@ -68,3 +68,18 @@ def test_unreachable_hub_is_one_line(hub, tmp_path):
     r = run("convert", "owner/missing", "--output", tmp_path / "out", "--max-memory", "4KB")
     _one_error_line(r, "owner/missing: cannot fetch from the Hugging Face hub (LocalEntryNotFoundError")
     assert not (tmp_path / "out").exists()
+
+
+def test_quantized_hub_checkpoint_is_refused_before_its_weights(hub, tmp_path):
+    """A repository whose config says it is stored quantized (fp8 with block scales, as DeepSeek-V3's
+    release): refused in one line from its config; no weight file is fetched."""
+    import json
+
+    config = hub.repos["owner/tiny"] / "config.json"
+    data = json.loads(config.read_text())
+    data["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config.write_text(json.dumps(data))
+    r = run("convert", "owner/tiny", "--output", tmp_path / "out", "--tokens", TOKENS, "--max-memory", "4KB")
+    _one_error_line(r, "owner/tiny: the checkpoint is stored quantized (fp8 with 128x128 block scales)")
+    assert "config.json" in hub.fetched and not any(f.endswith(".safetensors") for f in hub.fetched)
+    assert not (tmp_path / "out").exists()

@@ -14,9 +14,9 @@ over the features subtracted, for a LayerNorm model, which is centered first) ti
 here in float64, within 1e-5.
 
 Rows: Llama (RMSNorm), GPT-2 (LayerNorm: centered, Conv1D, learned positions, heads), GPT-OSS (an MoE
-whose experts are separate checkpoint tensors; Qwen2-MoE's per-expert tensors are stacked by transformers
-as it loads them, which streaming refuses), and a tied-embedding Llama with ``--rotate random
---rotate-seed 3 --rotate-heads`` (the tied table untied for the final norm's fold).
+whose experts are stored stacked; checkpoints stored one tensor per expert: tests/test_stream_moe.py), and a
+tied-embedding Llama with ``--rotate random --rotate-seed 3 --rotate-heads`` (the tied table untied for the
+final norm's fold).
 """
 
 from __future__ import annotations

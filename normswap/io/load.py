@@ -280,6 +280,87 @@ def resolve_dtype(dtype: str | torch.dtype, resolved: Resolved, config=None) -> 
     return torch.float32
 
 
+def _stored_tensors(folder: Path) -> dict[str, str]:
+    """Tensor name -> safetensors dtype code of a local directory's weights, from the headers alone (an
+    index's shards, or ``model.safetensors``); ``{}`` when they cannot be read (the load reports that)."""
+    import json
+    import struct
+
+    index = folder / "model.safetensors.index.json"
+    try:
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+                 else ["model.safetensors"])  # fmt: skip
+        found: dict[str, str] = {}
+        for file in files:
+            with open(folder / file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(min(n, 100 << 20)))
+            found |= {k: v.get("dtype", "") for k, v in header.items() if k != "__metadata__"}
+        return found
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
+        return {}
+
+
+# how transformers loads each quantized format as float weights (its quantization configs' own options)
+_DEQUANTIZED = "FineGrainedFP8Config(dequantize=True)"
+_DECOMPRESSED = "CompressedTensorsConfig(run_compressed=False)"
+
+
+def quantized_format(resolved: Resolved, config) -> tuple[str, str] | None:
+    """``(format, how to get a float copy)`` of a checkpoint stored quantized, or None.
+
+    Quantized: its config has a ``quantization_config`` (any ``quant_method`` but GGUF's, whose weights
+    transformers dequantizes as it loads: fp8 with block scales, as DeepSeek-V3's release; compressed-tensors;
+    GPTQ, AWQ, bitsandbytes, ...), or, in a local directory without one, its safetensors weights hold fp8
+    block scales (``*.weight_scale_inv``), packed weights (``*.weight_packed``) or ``*.weight`` tensors
+    stored in a float8 dtype. Read from the config and the safetensors headers only.
+    """
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    if qc:
+        method = qc.get("quant_method")
+        method = str(getattr(method, "value", method) or "an unnamed method")
+        if method == "gguf":
+            return None
+        if method == "fp8" and qc.get("weight_block_size"):
+            size = "x".join(str(d) for d in qc["weight_block_size"])
+            return f"fp8 with {size} block scales", _DEQUANTIZED
+        if method == "compressed-tensors":
+            fmt = qc.get("format")
+            return f"compressed-tensors{f' ({fmt})' if fmt else ''}", _DECOMPRESSED
+        return method, ""
+    if resolved.kind != "dir" or resolved.gguf_file:
+        return None
+    tensors = _stored_tensors(Path(resolved.path))
+    if any(name.endswith(".weight_scale_inv") for name in tensors):
+        return "fp8 with block scales (weight_scale_inv tensors)", _DEQUANTIZED
+    if any(name.endswith(".weight_packed") for name in tensors):
+        return "compressed-tensors (weight_packed tensors)", _DECOMPRESSED
+    if any(name.endswith(".weight") and code.startswith("F8") for name, code in tensors.items()):
+        return "fp8 weights", _DEQUANTIZED
+    return None
+
+
+def refuse_quantized(resolved: Resolved, config) -> None:
+    """Refuse a checkpoint stored quantized (``quantized_format``) in one line naming the format and the fix,
+    before anything is loaded or written: folding and rotating need float weights, and the output would not
+    be a checkpoint in the input's format.
+
+    Raises:
+        NormswapError: the checkpoint is stored quantized.
+    """
+    found = quantized_format(resolved, config)
+    if found is None:
+        return
+    fmt, how = found
+    how = f" (load it in transformers with {how}, then save_pretrained)" if how else ""
+    raise NormswapError(
+        f"{resolved.source}: the checkpoint is stored quantized ({fmt}); normswap converts float weights: "
+        f"convert a bfloat16 copy of it{how}"
+    )
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     line = text.splitlines()[0].strip() if text else ""
@@ -523,6 +604,7 @@ def load_model(
     tokenizer: bool | str | Path = True,
     device: str | torch.device | None = "cpu",
     device_map: str | dict | None = None,
+    float_weights: bool = False,
 ) -> LoadedModel:
     """Resolve MODEL ``source`` and load model (with its own head, see ``auto_class_name``) and tokenizer,
     in eval mode on ``device``.
@@ -540,15 +622,17 @@ def load_model(
             ``torch.device`` (``normswap.device.resolve_device``); the weights load straight onto it.
         device_map: passed to ``from_pretrained`` instead of ``device`` (``"auto"``: accelerate spreads the
             layers over the GPUs; docs/GPU.md gives the memory each mode needs).
+        float_weights: refuse a checkpoint stored quantized (``refuse_quantized``) before loading it (what
+            ``convert`` needs; ``inspect`` and ``eval`` load such a model as transformers does).
 
     Returns:
         ``LoadedModel(model, tokenizer, info)``.
 
     Raises:
         NormswapError: anything wrong with the input (see ``resolve``, ``load_config``,
-            ``auto_class_name``), weights that cannot be read (truncated or corrupt files) or do not match
-            the config (``load_weights``), a loaded class other than the one the config names, a tokenizer
-            that cannot be built.
+            ``auto_class_name``), with ``float_weights`` a checkpoint stored quantized, weights that cannot
+            be read (truncated or corrupt files) or do not match the config (``load_weights``), a loaded
+            class other than the one the config names, a tokenizer that cannot be built.
     """
     import transformers
 
@@ -568,6 +652,8 @@ def load_model(
         placement["device_map"] = str(target)
     with _gguf_loading() if resolved.gguf_file else contextlib.nullcontext():
         config = load_config(resolved, trust_remote_code=trust_remote_code)
+        if float_weights:
+            refuse_quantized(resolved, config)
         dtype = resolve_dtype(dtype, resolved, config)
         try:
             auto_name = auto_class_name(config)

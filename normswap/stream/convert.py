@@ -52,7 +52,7 @@ from normswap.io import carry, staging
 from normswap.io.shards import INDEX, CheckpointReader, ShardWriter, nbytes, write_index
 from normswap.stream import dist
 from normswap.stream.model import Streamed, StreamedParameter, build, is_released
-from normswap.stream.plan import layout, make_tensor, tensor_plans
+from normswap.stream.plan import layout, make_pieces, make_tensor, tensor_plans
 from normswap.stream.records import DiskRecords
 from normswap.stream.verify import fingerprint, record, verify_streamed
 from normswap.walk import short_inputs
@@ -115,22 +115,47 @@ def fetch_hub(repo_id: str, trust_remote_code: bool = False) -> str:
     each file to disk as it downloads (never whole in memory), resumes, and reuses the cache.
 
     Raises:
-        NormswapError: the hub cannot be reached (offline), the repository or a file does not exist, or
-            access is refused; one line.
+        NormswapError: the hub cannot be reached (offline), the repository or a file does not exist,
+            access is refused, or its config says the checkpoint is stored quantized (before the weights
+            are fetched); one line.
     """
     from huggingface_hub import snapshot_download
 
     small = HUB_FILES + (["*.py"] if trust_remote_code else [])
     try:
         path = Path(snapshot_download(repo_id, allow_patterns=small))
+    except Exception as error:  # noqa: BLE001 - huggingface_hub raises many kinds; each is one line here
+        raise _fetch_failed(repo_id, error) from error
+    _refuse_quantized_repo(repo_id, path)  # from its config, before its weights are fetched
+    try:
         index = path / INDEX
         weights = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
         path = Path(snapshot_download(repo_id, allow_patterns=small + (weights or ["model.safetensors"])))
     except Exception as error:  # noqa: BLE001 - huggingface_hub raises many kinds; each is one line here
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise NormswapError(f"{repo_id}: cannot fetch from the Hugging Face hub ({type(error).__name__}: "
-                            f"{first})") from error  # fmt: skip
+        raise _fetch_failed(repo_id, error) from error
     return str(path)
+
+
+def _fetch_failed(repo_id: str, error: Exception) -> NormswapError:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return NormswapError(
+        f"{repo_id}: cannot fetch from the Hugging Face hub ({type(error).__name__}: {first})"
+    )
+
+
+def _refuse_quantized_repo(repo_id: str, folder: Path) -> None:
+    """``normswap.io.load.refuse_quantized`` from the ``quantization_config`` of a fetched ``config.json``."""
+    import types
+
+    from normswap.io.load import Resolved, refuse_quantized
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):  # none, or not JSON: the config's own load says what is wrong
+        return
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    config = types.SimpleNamespace(quantization_config=quantization)
+    refuse_quantized(Resolved(repo_id, "hub", repo_id), config)
 
 
 def open_source(
@@ -146,10 +171,18 @@ def open_source(
 
     Raises:
         NormswapError: MODEL is not such a directory or hub id (a .gguf file), a hub id cannot be
-            fetched, not a causal LM, has a missing/truncated/corrupt shard, or a tokenizer that cannot be
-            loaded.
+            fetched, is stored quantized (``normswap.io.load.refuse_quantized``), not a causal LM, has a
+            missing/truncated/corrupt shard, or a tokenizer that cannot be loaded.
     """
-    from normswap.io.load import ModelInfo, is_causal_lm, load_config, load_tokenizer, resolve, resolve_dtype
+    from normswap.io.load import (
+        ModelInfo,
+        is_causal_lm,
+        load_config,
+        load_tokenizer,
+        refuse_quantized,
+        resolve,
+        resolve_dtype,
+    )
 
     resolved = resolve(model)
     kind = resolved.kind
@@ -161,6 +194,7 @@ def open_source(
             "not a GGUF file"
         )
     config = load_config(resolved, trust_remote_code=trust_remote_code)
+    refuse_quantized(resolved, config)
     reader = CheckpointReader(resolved.path)
     torch_type = resolve_dtype(dtype, resolved, config)
     if not is_causal_lm(config):
@@ -250,13 +284,33 @@ def write_shards(
 ) -> None:
     """Write the output shards ``files`` (the input's shard names) into ``folder``, tensor by tensor, each
     made on ``device``; each tensor's ``stream.verify.fingerprint`` goes into ``written`` (name ->
-    fingerprint) when given."""
+    fingerprint) when given.
+
+    A checkpoint tensor that is a piece of an assembled parameter (``stream.assemble``: one expert's
+    ``gate_proj``) is split from that parameter, made whole (``make_pieces``); the pieces are held until each
+    of them in ``files`` is written (safetensors orders a shard's tensors by name, so two groups of a layer
+    interleave), then released."""
     shards = layout(reader, plans)
+    wanted: dict[int, set[str]] = {}  # id(group) -> its pieces still to be written by this call
+    for file in files:
+        for name, _, _ in shards[file]:
+            if plans[name].piece_of is not None:
+                wanted.setdefault(id(plans[name].piece_of), set()).add(name)
+    pieces: dict[int, dict[str, torch.Tensor]] = {}
     for file in files:
         writer = ShardWriter(folder / file, shards[file])
         try:
             for name, _, _ in shards[file]:
-                tensor = make_tensor(reader, plans, name, device)
+                group = plans[name].piece_of
+                if group is None:
+                    tensor = make_tensor(reader, plans, name, device)
+                else:
+                    if id(group) not in pieces:
+                        pieces[id(group)] = make_pieces(reader, plans, group, device)
+                    tensor = pieces[id(group)].pop(name).contiguous()
+                    wanted[id(group)].discard(name)
+                    if not wanted[id(group)]:
+                        del pieces[id(group)]
                 if written is not None:
                     written[name] = fingerprint(tensor)
                 writer.write(name, tensor)

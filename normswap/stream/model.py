@@ -13,6 +13,11 @@ The Parameter objects themselves never change (only their data), so the walk's d
 parameters by identity, sees the same model as in memory. accelerate's own offload hooks
 (``AlignDevicesHook``) install new Parameter objects on each call instead, which the trace cannot follow.
 
+A parameter that transformers assembles from several checkpoint tensors as it loads (its weight-conversion
+mapping: per-expert tensors stacked into ``experts.gate_up_proj``) is released the same way; its values are
+assembled as it is read, by transformers' own converter on the tensors read from the shards
+(``stream.assemble``), and the bytes held count its assembled size.
+
 A parameter read outside the forward of a module that holds it would find no bytes; every transformers
 model streamed so far reads its weights only inside their modules (the tests compare plans and logits with
 the in-memory path on several architectures).
@@ -28,6 +33,7 @@ from torch import nn
 
 from normswap.errors import NormswapError
 from normswap.io.shards import CheckpointReader
+from normswap.stream.assemble import Group, groups
 
 
 def placeholder(shape, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -46,8 +52,11 @@ class StreamedParameter(nn.Parameter):
     """A Parameter whose bytes may be released; it knows the checkpoint tensor they come from.
 
     Attributes:
-        stream_key: the checkpoint tensor its values are read from.
+        stream_key: the checkpoint tensor its values are read from (for an assembled parameter, its own model
+            name).
         stream_reader: the ``CheckpointReader`` of that checkpoint.
+        stream_group: None, or the ``assemble.Group`` whose conversion makes its values from several
+            checkpoint tensors (transformers' ``WeightConverter``: per-expert tensors stacked).
         stream_ops: transforms applied, in order, to the values as read (``Streamed.transform``: the
             centering of a writer's weight, ...); each maps a tensor to a new one of the same shape, dtype
             and device.
@@ -65,29 +74,46 @@ class StreamedParameter(nn.Parameter):
         return result
 
 
+def read_source(
+    reader: CheckpointReader, key: str, group: Group | None, dtype: torch.dtype, device
+) -> torch.Tensor:
+    """Checkpoint tensor ``key`` in ``dtype`` (when floating) on ``device``; with a ``group``, the model
+    parameter ``key`` that the group assembles from its checkpoint tensors, each read so."""
+    if group is None:
+        return reader.read(key, dtype, device)
+    return group.assemble(lambda name: reader.read(name, dtype, device))[key]
+
+
 def values(p: StreamedParameter) -> torch.Tensor:
-    """The values of a released ``p`` on ``p.device``: its checkpoint tensor read in the dtype the model was
-    built in (``p.stream_dtype``), ``p.stream_ops`` applied, then cast to ``p.dtype`` where that differs
-    (``normswap.check.upcast`` holds a half-precision model in float32: exact, as in memory)."""
-    t = p.stream_reader.read(p.stream_key, p.stream_dtype, p.device)
+    """The values of a released ``p`` on ``p.device``: its checkpoint tensor read (or its tensors read and
+    assembled, ``p.stream_group``) in the dtype the model was built in (``p.stream_dtype``), ``p.stream_ops``
+    applied, then cast to ``p.dtype`` where that differs (``normswap.check.upcast`` holds a half-precision
+    model in float32: exact, as in memory)."""
+    t = read_source(p.stream_reader, p.stream_key, p.stream_group, p.stream_dtype, p.device)
     for op in p.stream_ops:
         t = op(t)
     return t if t.dtype == p.dtype or not t.is_floating_point() else t.to(p.dtype)
 
 
 def stand_in(
-    shape, dtype: torch.dtype, device, key: str, reader: CheckpointReader, ops=()
+    shape, dtype: torch.dtype, device, key: str, reader: CheckpointReader, ops=(), group: Group | None = None
 ) -> StreamedParameter:
-    """A released ``StreamedParameter`` for checkpoint tensor ``key`` (with the transforms ``ops``)."""
+    """A released ``StreamedParameter`` for checkpoint tensor ``key`` (with the transforms ``ops``), or for
+    the parameter ``key`` that ``group`` assembles."""
     p = StreamedParameter(placeholder(shape, dtype, device), requires_grad=False)
     p.stream_key, p.stream_reader, p.stream_ops, p.stream_dtype = key, reader, list(ops), dtype
+    p.stream_group = group
     return p
 
 
-def resident(data: torch.Tensor, key: str, reader: CheckpointReader) -> StreamedParameter:
-    """A ``StreamedParameter`` holding ``data`` (read from ``key``) for good: a norm scale, a bias."""
+def resident(
+    data: torch.Tensor, key: str, reader: CheckpointReader, group: Group | None = None
+) -> StreamedParameter:
+    """A ``StreamedParameter`` holding ``data`` (read from ``key``, or assembled by ``group``) for good: a
+    norm scale, a bias."""
     p = StreamedParameter(data, requires_grad=False)
     p.stream_key, p.stream_reader, p.stream_ops, p.stream_dtype = key, reader, [], data.dtype
+    p.stream_group = group
     return p
 
 
@@ -107,6 +133,8 @@ class Streamed:
             parameters and buffers, plus the weights of the modules running).
         loaded_as: checkpoint tensor name -> the model tensor name it loads as (``checkpoint_names``).
         saved_name: a model tensor name -> the name ``save_pretrained`` writes it under.
+        groups: model parameter name -> the ``assemble.Group`` that makes it from several checkpoint tensors
+            (and writes it back as them); ``pieces``: each of those checkpoint tensors -> its group.
     """
 
     model: nn.Module
@@ -118,6 +146,8 @@ class Streamed:
     peak: int = 0
     loaded_as: dict[str, str] = field(default_factory=dict)
     saved_name: Callable[[str], str] = staticmethod(lambda name: name)
+    groups: dict[str, Group] = field(default_factory=dict)
+    pieces: dict[str, Group] = field(default_factory=dict)
 
     def close(self) -> None:
         for h in self.handles:
@@ -146,12 +176,12 @@ class Streamed:
         ``normswap.fold.untie_parameters`` (and centering's untie) gives an untied Parameter of a streamed
         model. A released ``old`` gives a placeholder read from the same checkpoint tensor with the same
         transforms so far; a resident one, a clone."""
+        group = getattr(old, "stream_group", None)
+        key = old.stream_key if group is not None else self.keys[name]  # assembled: as its group names it
         if not is_released(old):
-            p = resident(old.detach().clone(), self.keys[name], self.reader)
+            p = resident(old.detach().clone(), key, self.reader, group)
         else:
-            p = stand_in(
-                old.shape, old.stream_dtype, old.device, self.keys[name], self.reader, old.stream_ops
-            )
+            p = stand_in(old.shape, old.stream_dtype, old.device, key, self.reader, old.stream_ops, group)
         p.requires_grad_(old.requires_grad)
         return p
 
@@ -174,36 +204,55 @@ class Streamed:
         p.stream_ops.append(op)
 
 
-def checkpoint_names(model: nn.Module, tensors) -> tuple[dict[str, str], Callable[[str], str]]:
-    """Which checkpoint tensor each model tensor is, as transformers renames them on loading.
+def checkpoint_names(
+    model: nn.Module, tensors, source: str = "checkpoint"
+) -> tuple[dict[str, str], Callable[[str], str], list[Group]]:
+    """Which checkpoint tensor each model tensor is, as transformers renames and converts them on loading.
 
     transformers 5 renames some checkpoints' tensors as it loads them and back as it saves
     (``transformers.conversion_mapping``: GPT-NeoX's ``embed_out`` is the model's ``lm_head``; legacy
-    ``gamma``/``beta``). Pure renamings are followed here; a tensor that transformers converts (stacks,
-    splits, concatenates: Mixtral's per-expert weights) keeps its own name, so the model tensor it becomes
-    is missing and ``build`` refuses the checkpoint in one line.
+    ``gamma``/``beta``), and makes some parameters from several tensors (its ``WeightConverter``s:
+    Mixtral's per-expert ``w1``/``w3`` stacked and concatenated into ``experts.gate_up_proj``). Renamings are
+    followed here; each conversion becomes an ``assemble.Group`` (checked on the meta device: the model's
+    names and shapes, and the split back gives exactly the checkpoint's tensors).
+
+    Args:
+        model: the model, built on the meta device.
+        tensors: checkpoint tensor name -> ``shards.TensorInfo``.
+        source: the checkpoint, for messages.
 
     Returns:
-        ``(model tensor name -> checkpoint name for every checkpoint tensor, saved_name)`` where
-        ``saved_name(model tensor name)`` is the name ``save_pretrained`` writes it under.
+        ``(model tensor name -> checkpoint name for every checkpoint tensor no converter takes, saved_name,
+        groups)`` where ``saved_name(model tensor name)`` is the name ``save_pretrained`` writes it under.
+
+    Raises:
+        NormswapError: a conversion that cannot be streamed in the checkpoint's own layout
+            (``assemble.groups``).
     """
     identity = {name: name for name in tensors}
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     except ImportError:  # another transformers layout: names as stored
-        return identity, lambda name: name
+        return identity, lambda name: name, []
     conversions = get_model_conversion_mapping(model)
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    if not renamings:
-        return identity, lambda name: name
+    if not renamings and not converters:
+        return identity, lambda name: name, []
     meta = dict.fromkeys(model.state_dict(keep_vars=True))
     prefix = getattr(model, "base_model_prefix", None)
     loaded: dict[str, str] = {}
+    converted: dict[str, tuple[str, str]] = {}
     for key in tensors:
-        renamed, converted = rename_source_key(key, renamings, converters, prefix, meta)
-        loaded[key if converted is not None or renamed not in meta else renamed] = key
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        if renamed not in meta and key in meta:  # as transformers' loader: the name as stored
+            renamed, pattern = key, None
+        if pattern is not None and renamed in meta:
+            converted[key] = (renamed, pattern)
+        else:
+            loaded[renamed if renamed in meta else key] = key
+    made = groups(model, tensors, conversions, converted, source) if converted else []
     undo = [c.reverse_transform() for c in reversed(conversions) if isinstance(c, WeightRenaming)]
 
     def saved_name(name: str) -> str:
@@ -211,7 +260,7 @@ def checkpoint_names(model: nn.Module, tensors) -> tuple[dict[str, str], Callabl
             name, _ = renaming.rename_source_key(name)
         return name
 
-    return loaded, saved_name
+    return loaded, saved_name, made
 
 
 def resident_parameters(model: nn.Module) -> set[int]:
@@ -240,14 +289,17 @@ def build(
 
     Args:
         config: a transformers config (a causal LM).
-        reader: the checkpoint's tensors; its names must be the model's parameter names.
+        reader: the checkpoint's tensors: the model's parameter names, or names transformers' loader renames
+            or assembles into them (``checkpoint_names``).
         dtype: floating dtype of the parameters (checkpoint tensors are cast to it as they are read).
         device: where the weights are read to and the model runs.
         trust_remote_code: build the class of the model's own code (``config.auto_map``).
 
     Raises:
         NormswapError: a parameter has no tensor in the checkpoint, a checkpoint tensor belongs to no
-            parameter or buffer (and is not one transformers' loader drops by design), or a shape differs.
+            parameter or buffer (and is not one transformers' loader drops by design), a shape differs, or
+            tensors that transformers assembles do not fit the model or would not be written back as
+            themselves (``assemble.groups``).
     """
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
@@ -260,7 +312,10 @@ def build(
     model.eval()
     keys: dict[str, str] = {}
     source = str(reader.folder)
-    loaded, saved = checkpoint_names(model, reader.tensors)
+    loaded, saved, made = checkpoint_names(model, reader.tensors, source)
+    assembled = {name: group for group in made for name in group.targets}
+    for name in assembled:
+        loaded[name] = name  # read by assembling (``read_source``), under its own name
     by_object: dict[int, str] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for attr, p in module._parameters.items():
@@ -273,10 +328,10 @@ def build(
         key = by_object.get(id(p))
         if key is None:
             raise NormswapError(
-                f"{source}: the checkpoint has no tensor {name} (streaming needs the checkpoint's tensor "
-                "names to be the model's; transformers renames or stacks some models' tensors on loading)"
+                f"{source}: the checkpoint has no tensor {name}, nor tensors that transformers renames or "
+                "assembles into it on loading"
             )
-        if tuple(reader.tensors[key].shape) != tuple(p.shape):
+        if key not in assembled and tuple(reader.tensors[key].shape) != tuple(p.shape):
             raise NormswapError(f"{source}: tensor {key} has shape {reader.tensors[key].shape}, the model "
                                 f"expects {tuple(p.shape)}")  # fmt: skip
         keys[name] = key
@@ -286,7 +341,7 @@ def build(
             name = f"{mod_name}.{attr}" if mod_name else attr
             if b is not None and attr not in module._non_persistent_buffers_set and name in loaded:
                 persistent[loaded[name]] = (module, attr, name)
-    extra = set(reader.tensors) - set(keys.values()) - set(persistent)
+    extra = set(reader.tensors) - set(keys.values()) - set(persistent) - {k for g in made for k in g.keys}
     skipped = loader_ignores(model, extra)
     unexpected = sorted(extra - skipped)
     if unexpected:
@@ -303,7 +358,8 @@ def build(
             keys[name] = key
     order = {name: (info.file, info.start) for name, info in reader.tensors.items()}
     streamed = Streamed(model, reader, keys, skipped=sorted(skipped, key=order.__getitem__),
-                        loaded_as={v: k for k, v in loaded.items()}, saved_name=saved)  # fmt: skip
+                        loaded_as={v: k for k, v in loaded.items()}, saved_name=saved,
+                        groups=assembled, pieces={k: g for g in made for k in g.keys})  # fmt: skip
     replaced: dict[int, nn.Parameter] = {}  # id of the meta Parameter -> its stand-in (tied ones stay shared)
     keep = resident_parameters(model)
     for mod_name, module in model.named_modules(remove_duplicate=False):
@@ -313,10 +369,13 @@ def build(
                 continue
             name = f"{mod_name}.{attr}" if mod_name else attr
             if id(p) not in replaced:
+                key = keys[name]
+                group = assembled.get(key)
                 if id(p) in keep:
-                    replaced[id(p)] = resident(reader.read(keys[name], dtype, device), keys[name], reader)
+                    data = read_source(reader, key, group, dtype, device)
+                    replaced[id(p)] = resident(data, key, reader, group)
                 else:
-                    replaced[id(p)] = stand_in(p.shape, dtype, device, keys[name], reader)
+                    replaced[id(p)] = stand_in(p.shape, dtype, device, key, reader, group=group)
             module._parameters[attr] = replaced[id(p)]
             if id(p) not in keep:
                 attrs[attr] = keys[name]

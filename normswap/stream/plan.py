@@ -8,6 +8,11 @@ what the in-memory path saves:
   embedding table), in the order they were made;
 * then the fold: ``bias_delta`` into a consumer bias, ``scale_axis_`` along a consumer weight's input axis,
   the identity fill of a folded norm (the functions ``fold_site`` uses).
+
+A parameter that transformers assembles from several checkpoint tensors (``stream.assemble``: per-expert
+tensors stacked into ``experts.gate_up_proj``) is planned under its model name and made the same way, then
+split back into the checkpoint's tensors by transformers' reversed converter (``make_pieces``), as
+``save_pretrained`` writes it in memory: the output keeps the input's tensor names and shards.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import torch
 from normswap.errors import NormswapError
 from normswap.fold import FoldPlan, bias_delta, distinct_consumers, scale_and_shift, scale_axis_
 from normswap.io.shards import CheckpointReader
-from normswap.stream.model import Streamed, StreamedParameter, is_released
+from normswap.stream.assemble import Group
+from normswap.stream.model import Streamed, StreamedParameter, is_released, read_source
 
 
 @dataclass
@@ -36,6 +42,9 @@ class TensorPlan:
         scales: ``(axis, float64 scale)`` to multiply in, in order (``fold.scale_axis_``).
         shift: ``(weight's output name, float64 norm bias, axis)`` whose ``W b`` this bias absorbs.
         fill: the norm identity value (``1 - offset`` for a weight, 0 for a bias), or None.
+        group: a model parameter assembled from several checkpoint tensors (``source`` is its model name):
+            its ``assemble.Group``; it is written as those tensors (``make_pieces``), not under its name.
+        piece_of: a checkpoint tensor that is a piece of such parameters: their group.
     """
 
     source: str | None
@@ -46,6 +55,8 @@ class TensorPlan:
     scales: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     shift: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
     fill: float | None = None
+    group: Group | None = None
+    piece_of: Group | None = None
 
 
 def output_dtype(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torch.dtype:
@@ -70,7 +81,7 @@ def output_names(streamed: Streamed) -> dict[str, torch.Tensor | None]:
         mine = key is not None and holder.get(streamed.loaded_as.get(key, key)) is p
         names[key if mine else streamed.saved_name(name)] = p
     for key in streamed.reader.tensors:
-        if key not in names and key not in holder:  # a persistent buffer
+        if key not in names and key not in holder and key not in streamed.pieces:  # a persistent buffer
             names[key] = None
     return names
 
@@ -96,12 +107,16 @@ def tensor_plans(streamed: Streamed, folding: FoldPlan, dtype: torch.dtype) -> d
             plans[name] = TensorPlan(name, output_dtype(reader, name, dtype), reader.tensors[name].shape)
             continue
         where[id(p)] = name
+        group = getattr(p, "stream_group", None)
         if isinstance(p, StreamedParameter) and is_released(p):
-            plans[name] = TensorPlan(p.stream_key, output_dtype(reader, p.stream_key, dtype), tuple(p.shape),
-                                     ops=list(p.stream_ops))  # fmt: skip
+            own = output_dtype(reader, group.keys[0] if group else p.stream_key, dtype)
+            plans[name] = TensorPlan(p.stream_key, own, tuple(p.shape), ops=list(p.stream_ops), group=group)
         else:  # held in memory, with every transform applied
             key = getattr(p, "stream_key", None)
-            plans[name] = TensorPlan(key, p.dtype, tuple(p.shape), value=p.detach())
+            plans[name] = TensorPlan(key, p.dtype, tuple(p.shape), value=p.detach(), group=group)
+    for key, group in streamed.pieces.items():  # written as the pieces of their assembled parameters
+        own = output_dtype(reader, key, dtype)
+        plans[key] = TensorPlan(key, own, reader.tensors[key].shape, piece_of=group)
 
     def out(param: str) -> str:
         return where[id(model.get_parameter(param))]
@@ -129,7 +144,7 @@ def layout(reader: CheckpointReader, plans: dict[str, TensorPlan]):
     the last tensor of its module (else at the end of the last file)."""
     after: dict[str, list[str]] = {}
     for name, tp in plans.items():
-        if name in reader.tensors:
+        if name in reader.tensors or tp.group is not None:  # an assembled parameter: written as its pieces
             continue
         anchor = tp.source if tp.source in reader.tensors else None
         if anchor is None:
@@ -151,7 +166,7 @@ def base(reader: CheckpointReader, tp: TensorPlan, device: torch.device | str = 
     """A tensor's values before the fold: ``value`` copied, or ``source`` read with ``ops`` applied."""
     if tp.value is not None:
         return tp.value.to(device, copy=True)
-    t = reader.read(tp.source, tp.dtype, device)
+    t = read_source(reader, tp.source, tp.group, tp.dtype, device)
     for op in tp.ops:
         t = op(t)
     return t
@@ -162,6 +177,8 @@ def make_tensor(reader: CheckpointReader, plans: dict[str, TensorPlan], name: st
                 device: torch.device | str = "cpu") -> torch.Tensor:  # fmt: skip
     """Output tensor ``name``: its ``base``, then the fold (as ``normswap.fold.fold_site`` does)."""
     tp = plans[name]
+    if tp.piece_of is not None:
+        raise ValueError(f"{name} is a piece of assembled parameters: make it with make_pieces")
     t = base(reader, tp, device)
     for weight_name, shift, axis in tp.shift:
         weight = base(reader, plans[weight_name], device)
@@ -175,3 +192,13 @@ def make_tensor(reader: CheckpointReader, plans: dict[str, TensorPlan], name: st
     if tp.fill is not None:
         t.fill_(tp.fill)
     return t
+
+
+def make_pieces(
+    reader: CheckpointReader, plans: dict[str, TensorPlan], group: Group, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The output tensors of ``group``'s checkpoint tensors (name -> tensor): every parameter the group
+    assembles made as ``make_tensor`` makes it (read, transformed and folded as one stacked tensor, as in
+    memory), then split back by transformers' reversed converter (``assemble.Group.split``: slices of it)."""
+    made = {name: make_tensor(reader, plans, name, device) for name in group.targets}
+    return group.split(made)

@@ -1,0 +1,180 @@
+"""Streamed conversion of mixture-of-experts checkpoints stored one tensor per expert.
+
+transformers 5 saves Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and DeepSeek-V3 with one tensor per expert
+(``...experts.3.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.3.w1.weight``) and stacks them into
+one parameter as it loads (``experts.gate_up_proj``). Each model is saved by transformers in small shards
+and converted twice through the CLI, in memory and streamed (``--max-memory 4KB``, below any shard); the
+references are independent of the streamed path:
+
+* the in-memory output (itself checked against the original by the CLI's logits check): the streamed output
+  holds the same tensors, bit for bit, with the same sites;
+* the input: the streamed output has exactly its tensor names, each in the shard file it came from;
+* the original model: a fresh plain ``transformers`` load of the streamed output gives its logits within
+  1e-5 (float32; the fold rounds each weight once, about 1e-7 relative, and a rotation's float32 forward
+  differs by a few float32 ulps of the logits: measured below 1e-6 on these models).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from test_stream import (
+    _one_error_line,
+    assert_same_checkpoint,
+    convert_both,
+    run,
+    save_sharded,
+    tokenizer,  # noqa: F401 - the module fixture
+)
+
+from normswap.io.shards import INDEX, CheckpointReader
+
+_SLOW = pytest.mark.slow
+# (model type, extra options): Mixtral (renamed block_sparse_moe, w1/w3/w2) plain, Qwen3-MoE rotated in the
+# default run; the other layouts, the other option and bfloat16 marked slow.
+ROWS = [("mixtral", ()), ("qwen3_moe", ("--rotate", "hadamard"))] + [
+    pytest.param(name, extra, marks=_SLOW)
+    for name, extra in (
+        ("qwen3_moe", ()),
+        ("olmoe", ()),
+        ("qwen2_moe", ()),
+        ("deepseek_v3", ()),
+        ("mixtral", ("--rotate", "hadamard")),
+    )
+]
+
+
+def _placement(folder) -> dict[str, str]:
+    reader = CheckpointReader(folder)
+    return {name: info.file for name, info in reader.tensors.items()}
+
+
+@pytest.mark.parametrize(("name", "extra"), ROWS)
+def test_moe_streams_in_its_own_layout(name, extra, tokenizer, tmp_path):  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
+    model = make_tiny_model(name)
+    src = save_sharded(model, tokenizer, tmp_path / "src", "100KB")  # fewer files: each costs a gc pass
+    placement = _placement(src)
+    assert any(".experts.1." in n for n in placement)  # stored per expert
+    assert not any(n.endswith("experts.gate_up_proj") for n in placement)
+    assert len(set(placement.values())) > 2
+    layers: dict[str, set[str]] = {}  # a layer's experts -> the files holding them
+    for n, file in placement.items():
+        if ".experts." in n:
+            layers.setdefault(n.split(".experts.")[0], set()).add(file)
+    assert any(len(files) > 1 for files in layers.values())  # some parameter is assembled across shards
+    memory, streamed = convert_both(src, tmp_path, *extra)
+    assert_same_checkpoint(memory, streamed)
+    assert _placement(streamed) == placement  # the input's names, each in its own shard
+    index = json.loads((streamed / INDEX).read_text())
+    assert set(index["weight_map"]) == set(placement)
+    report = json.loads((streamed / "normswap.json").read_text())
+    assert report["streamed"]["peak_weight_bytes"] > 0
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    fresh = AutoModelForCausalLM.from_pretrained(streamed, dtype=torch.float32).eval()
+    with torch.no_grad():
+        before, after = model(ids).logits, fresh(ids).logits
+    assert (before - after).abs().max().item() <= 1e-5
+
+
+@_SLOW
+@pytest.mark.parametrize("extra", [(), ("--rotate", "hadamard")], ids=["plain", "rotated"])
+def test_moe_bfloat16_streams(extra, tokenizer, tmp_path):  # noqa: F811
+    src = save_sharded(make_tiny_model("qwen3_moe").to(torch.bfloat16), tokenizer, tmp_path / "src")
+    memory, streamed = convert_both(src, tmp_path, "--dtype", "bfloat16", *extra)
+    assert_same_checkpoint(memory, streamed)
+    assert _placement(streamed) == _placement(src)
+
+
+def test_missing_expert_is_refused(tokenizer, tmp_path):  # noqa: F811
+    """A checkpoint whose expert tensors do not assemble into the model's parameter: one line, nothing
+    written."""
+    src = save_sharded(make_tiny_model("qwen3_moe"), tokenizer, tmp_path / "src", "1GB")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    r = run("convert", src, "--output", tmp_path / "out", "--tokens", "64", "--max-memory", "4KB")
+    _one_error_line(r, "model.layers.1.mlp.experts.gate_up_proj", "do not fit the model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.fixture(scope="module")
+def llama_src(tokenizer, tmp_path_factory):  # noqa: F811
+    return save_sharded(make_tiny_model("llama"), tokenizer, tmp_path_factory.mktemp("quantized") / "src")
+
+
+def _fp8_config(src):
+    config = json.loads((src / "config.json").read_text())
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    config["quantization_config"] = fp8  # as DeepSeek-V3's release
+    (src / "config.json").write_text(json.dumps(config))
+    return "fp8 with 128x128 block scales", "FineGrainedFP8Config(dequantize=True)"
+
+
+def _compressed_config(src):
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (src / "config.json").write_text(json.dumps(config))
+    return "compressed-tensors (pack-quantized)", "CompressedTensorsConfig(run_compressed=False)"
+
+
+def _scale_tensors(src):
+    """No quantization_config (a config edited by hand), but fp8 block scales beside the weights."""
+    from safetensors.torch import save_file
+
+    index = json.loads((src / INDEX).read_text())
+    name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    save_file({name: torch.ones(1, 1)}, src / "scales.safetensors", metadata={"format": "pt"})
+    index["weight_map"][name] = "scales.safetensors"
+    (src / INDEX).write_text(json.dumps(index))
+    return "fp8 with block scales (weight_scale_inv tensors)", "FineGrainedFP8Config(dequantize=True)"
+
+
+@pytest.mark.parametrize("stored", [_fp8_config, _compressed_config, _scale_tensors])
+@pytest.mark.parametrize("options", [(), ("--max-memory", "4KB")], ids=["memory", "streamed"])
+def test_quantized_checkpoint_is_refused(stored, options, llama_src, tmp_path):
+    """A checkpoint stored quantized: one line naming the format and the fix, exit 2, nothing written, the
+    input untouched; in memory and streamed."""
+    import shutil
+
+    src = shutil.copytree(llama_src, tmp_path / "src")
+    fmt, how = stored(src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    r = run("convert", src, "--output", tmp_path / "out", "--tokens", "64", *options)
+    _one_error_line(r, f"stored quantized ({fmt})", "convert a bfloat16 copy", how)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+@_SLOW
+def test_moe_two_processes_write_the_same_bytes(tokenizer, tmp_path):  # noqa: F811
+    """``accelerate launch --multi_gpu --num_processes 2`` on the CPU (gloo): each process writes its shards
+    (an expert group split over shards of both processes is assembled by each), byte-identical to one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_stream import assert_verified
+
+    src = save_sharded(make_tiny_model("mixtral"), tokenizer, tmp_path / "src")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run("convert", src, "--output", one, "--tokens", "64", "--max-memory", "4KB").exit_code == 0
+    root = Path(__file__).resolve().parent.parent
+    launch = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no", "--main_process_port", "29533"]  # fmt: skip
+    args = ["convert", str(src), "--output", str(two), "--tokens", "64", "--max-memory", "4KB"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "normswap", *args]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = sorted(p.name for p in one.glob("*.safetensors"))
+    assert files == sorted(p.name for p in two.glob("*.safetensors")) and len(files) > 2
+    for name in [*files, INDEX]:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    assert json.loads((two / "normswap.json").read_text())["streamed"]["processes"] == 2
+    assert_verified(two, done.stdout)
