@@ -913,8 +913,9 @@ def test_random_interrupts_never_replace_the_output(small, previous, tmp_path, s
     args = ["convert", small, "--output", out, "--overwrite", *FEW, *streamed]
     assert run("convert", small, "--output", reference, *FEW, *streamed).exit_code == 0
     before = previous_output(previous, out, streamed)
-    full = _signalled(args, out, stamps, None, None)  # a run without a signal: its length and stages
-    assert full["code"] == 0 and _same_new_output(out, reference), full
+    for _ in range(2):  # runs without a signal: their length and stages (the first reads a cold cache)
+        full = _signalled(args, out, stamps, None, None)
+        assert full["code"] == 0 and _same_new_output(out, reference), full
     rng, seen = random.Random(37), {}
     for i in range(runs):
         shutil.rmtree(out)
@@ -927,10 +928,16 @@ def test_random_interrupts_never_replace_the_output(small, previous, tmp_path, s
         result = _signalled(args, out, stamps, after, sig)
         outcome = _judge(result, out, before, reference, sig)
         seen[outcome] = seen.get(outcome, 0) + 1
-        exchange = full["times"]["exchanged"]
-        print(f"{i:2d} {sig.name} at {after:5.2f} s (a run {full['end']:.2f} s, its exchange at "
-              f"{exchange:.2f} s): exit {result['code']}, {outcome}")  # fmt: skip
+        if result["sent"] is None:
+            when = "not sent: the run had ended"
+        else:  # the last stage of the save the run had reached when the signal was sent
+            reached = [name for name, at in result["times"].items() if at <= result["sent"]]
+            when = f"sent after stage {reached[-1]}" if reached else "sent before the save began"
+        print(f"{i:2d} {sig.name} at {after:5.2f} s ({when}; the run's exchange at "
+              f"{result['times'].get('exchanged', float('nan')):.2f} s, its end {result['end']:.2f} s): "
+              f"exit {result['code']}, {outcome}")  # fmt: skip
     print(seen)
+    assert sum(seen.values()) == runs
 
 
 # -- C30: token ids outside the vocabulary ----------------------------------------------------------------
