@@ -846,8 +846,9 @@ run()
 """
 
 
-def _signalled(args, out: Path, stamps: Path, after: float | None, sig) -> dict:
-    """Run ``normswap *args`` as a process, send ``sig`` ``after`` seconds after its start (never: None)."""
+def _signalled(args, out: Path, stamps: Path, after, sig) -> dict:
+    """Run ``normswap *args`` as a process and send it ``sig``: ``after`` seconds after its start, or, with
+    ``after`` a (stage, seconds), that long after it reached the stage of the save; never with None."""
     stamps.write_text("")
     env = dict(os.environ, NORMSWAP_TEST_STAMPS=str(stamps), OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(Path(normswap.__file__).parents[1]), env.get("PYTHONPATH", "")])
@@ -855,9 +856,14 @@ def _signalled(args, out: Path, stamps: Path, after: float | None, sig) -> dict:
     proc = subprocess.Popen([sys.executable, "-c", _DRIVER, *map(str, args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     sent = None
+    if isinstance(after, tuple):
+        stage, delay = after
+        while proc.poll() is None and f"{stage} " not in stamps.read_text():
+            time.sleep(0.005)
+        after = time.monotonic() - start + delay
     if after is not None:
         try:
-            proc.wait(after)
+            proc.wait(max(after - (time.monotonic() - start), 0))
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, sig)
             sent = time.monotonic()
@@ -907,7 +913,9 @@ def test_random_interrupts_never_replace_the_output(small, previous, tmp_path, s
     """SIGINT or SIGTERM at 25 random moments of an --overwrite run (each of in memory and streamed): OUT is
     the previous checkpoint byte for byte whenever the signal came before the commit, and whenever the exit
     says the run stopped with OUT as it was; else the verified new one, never anything between. Half the
-    moments fall anywhere in the run, half around the save, the exchange and the shutdown."""
+    moments fall anywhere in the run, half just after a stage of the save: within 1 s of the verification's
+    end, 50 ms of the manifest's (just before the exchange), 5 s of the exchange (the summary, the
+    shutdown)."""
     out, stamps, reference = tmp_path / "work" / "out", tmp_path / "stamps", tmp_path / "reference"
     out.parent.mkdir()
     args = ["convert", small, "--output", out, "--overwrite", *FEW, *streamed]
@@ -924,7 +932,8 @@ def test_random_interrupts_never_replace_the_output(small, previous, tmp_path, s
         if i % 2:
             after = rng.uniform(0.0, full["end"])
         else:
-            after = rng.uniform(full["times"]["verified"] - 0.5, full["end"])
+            stage = rng.choice(["verified", "finished", "finished", "exchanged", "exchanged"])
+            after = (stage, rng.uniform(0, {"verified": 1.0, "finished": 0.05, "exchanged": 5.0}[stage]))
         result = _signalled(args, out, stamps, after, sig)
         outcome = _judge(result, out, before, reference, sig)
         seen[outcome] = seen.get(outcome, 0) + 1
@@ -933,7 +942,8 @@ def test_random_interrupts_never_replace_the_output(small, previous, tmp_path, s
         else:  # the last stage of the save the run had reached when the signal was sent
             reached = [name for name, at in result["times"].items() if at <= result["sent"]]
             when = f"sent after stage {reached[-1]}" if reached else "sent before the save began"
-        print(f"{i:2d} {sig.name} at {after:5.2f} s ({when}; the run's exchange at "
+        at = f"{after:5.2f} s" if isinstance(after, float) else f"{after[1]:.3f} s after {after[0]}"
+        print(f"{i:2d} {sig.name} at {at} ({when}; the run's exchange at "
               f"{result['times'].get('exchanged', float('nan')):.2f} s, its end {result['end']:.2f} s): "
               f"exit {result['code']}, {outcome}")  # fmt: skip
     print(seen)

@@ -588,7 +588,7 @@ def test_overwrite_refuses_an_edit_that_keeps_the_size(tmp_path):
     assert '"temperature": 0.6' in generation.read_text() and _leftovers(tmp_path) == []
 
 
-def test_a_stop_asked_for_refuses_the_exchange(tmp_path):
+def test_a_stop_asked_for_refuses_the_exchange(tmp_path, monkeypatch):
     """A signal whose KeyboardInterrupt was lost (raised in a finalizer, Python prints "Exception ignored"
     and goes on) let the run replace OUT and then exit 130. The commit asks the flag that the signal set,
     immediately before the exchange: refused (``Stopped``, a KeyboardInterrupt), OUT byte-identical, the
@@ -596,19 +596,32 @@ def test_a_stop_asked_for_refuses_the_exchange(tmp_path):
     import signal
 
     from normswap import stop
+    from normswap.io import staging
     from normswap.io.staging import Staging
 
     model = make_tiny_model("llama")
     out = tmp_path / "out"
     save_converted(model, None, _report(run="old"), out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def stop_asked(name):  # the manifest written: what the handler does, its KeyboardInterrupt then lost
+        if name == "finished":
+            stop.request(signal.SIGTERM)
+
+    monkeypatch.setattr(staging, "at_stage", stop_asked)
     with stop.Signals() as signals:
         with pytest.raises(stop.Stopped, match="SIGTERM before the output was replaced"):
             with Staging(out, overwrite=True) as stage:
                 (stage.path / "config.json").write_text("{}")
-                stop.request(signal.SIGTERM)  # what the handler does; its KeyboardInterrupt then lost
                 stage.commit(_report(run="new"))
         assert signals.seen and signals.exit_code == 143
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and _leftovers(tmp_path) == []
+    with stop.Signals():  # asked for while a file is hashed: the hashing stops too
+        with pytest.raises(stop.Stopped, match="SIGINT while .*config.json was hashed"):
+            with Staging(out, overwrite=True) as stage:
+                (stage.path / "config.json").write_text("{}")
+                stop.request(signal.SIGINT)
+                stage.commit(_report(run="new"))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and _leftovers(tmp_path) == []
     assert not signals.seen or stop.requested() is None  # the flag is cleared for whatever runs next
     within = None
