@@ -904,18 +904,18 @@ def _judge(run_: dict, out: Path, before: dict, reference: Path, sig) -> str:
     old = out.exists() and digests(out) == before
     assert hidden(out.parent) == [], (run_, hidden(out.parent))
     assert new or old, run_
+    if sent is not None and ("started" not in times or sent < times["started"]):  # Python's own start
+        assert old, run_  # (a signal in its site import is "Fatal Python error: init_import_site", exit 1)
+        return "ended before normswap started"
     if sent is not None and ("finished" not in times or sent < times["finished"]):
         assert old, ("the signal came before the commit, yet OUT was replaced", run_)
     if code == 0:
         assert new and "saved:" in run_["stdout"], run_
         return "finished"
-    if code == -sig:  # the system's default: before normswap's code, or after the command
-        if new:  # in the interpreter's shutdown, after the summary
-            assert "saved:" in run_["stdout"] and sent > times["exchanged"], run_
-            assert "Traceback" not in stderr and "normswap:" not in stderr, run_
-            return "ended quietly after the summary"
-        assert "started" not in times or sent < times["started"], run_  # Python's start, this driver's
-        return "ended before normswap started"
+    if code == -sig:  # the system's default, in the interpreter's shutdown after the command
+        assert new and "saved:" in run_["stdout"] and sent > times["exchanged"], run_  # after the summary
+        assert "Traceback" not in stderr and "normswap:" not in stderr, run_
+        return "ended quietly after the summary"
     assert code == 128 + sig, run_
     if old:
         assert " is as it was before" in last or last.endswith("nothing was written"), run_
