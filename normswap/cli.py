@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from normswap import progress
+from normswap import progress, stop
 from normswap.config import cli_wording
 from normswap.errors import NormswapError
 from normswap.options import OutputPath, device_option, model_name, size_option
@@ -83,6 +83,9 @@ class _Group(click.Group):
         into another error."""
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        # a process of its own (not a test's call, which passes args): a signal during the interpreter's
+        # shutdown after the command (seconds, after a model was held) ends it quietly (Signals.quiet_after)
+        _signals.quiet_after = args is None
         try:
             with _signals:
                 code, interrupted = None, False
@@ -139,55 +142,7 @@ def _stderr_is_terminal() -> bool:
         return False
 
 
-class _Signals:
-    """While the CLI runs (``with _signals:``), SIGINT (Ctrl-C) and SIGTERM (``kill``, ``timeout``,
-    ``docker stop``) raise KeyboardInterrupt, as Python's own handler does for SIGINT, so that whatever a
-    command was writing is removed on the way out (``normswap.io.staging``); ``seen`` says that one arrived
-    and ``signum`` which came first. Some libraries catch every exception while they import a module and
-    leave another error behind (transformers then reports "Could not import module 'LlamaConfig'"), so the
-    CLI asks ``seen``, not the exception, whether a signal stopped it.
-
-    A second SIGTERM is ignored (the cleanup the first one started goes on; SIGKILL is the way to stop
-    that); a second SIGINT interrupts again, as at any Python prompt. SIGTERM ignored by whoever started
-    the process stays ignored. Outside the main thread: a no-op."""
-
-    seen = False
-    signum = signal.SIGINT
-
-    @property
-    def exit_code(self) -> int:
-        """128 + the first signal's number (130 for SIGINT, 143 for SIGTERM); 130 without a signal."""
-        return 128 + int(self.signum)
-
-    @property
-    def how(self) -> str:
-        """How the command was stopped, as the interrupt line says it."""
-        return "terminated by SIGTERM" if self.signum == signal.SIGTERM else "interrupted"
-
-    def _handler(self, signum, frame):
-        if self.seen and signum == signal.SIGTERM:
-            return
-        if not self.seen:
-            self.seen, self.signum = True, signal.Signals(signum)
-        raise KeyboardInterrupt
-
-    def __enter__(self):
-        self.seen, self.signum, self._previous = False, signal.SIGINT, {}
-        for number in (signal.SIGINT, signal.SIGTERM):
-            try:
-                if number == signal.SIGTERM and signal.getsignal(number) == signal.SIG_IGN:
-                    continue
-                self._previous[number] = signal.signal(number, self._handler)
-            except ValueError:  # not the main thread
-                break
-        return self
-
-    def __exit__(self, *exc):
-        for number, previous in self._previous.items():
-            signal.signal(number, previous if previous is not None else signal.SIG_DFL)
-
-
-_signals = _Signals()
+_signals = stop.Signals()  # the flag and the handlers of this run (normswap.stop)
 
 
 @contextlib.contextmanager

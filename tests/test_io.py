@@ -421,8 +421,10 @@ def test_save_roundtrip_plain_transformers(model_type, tmp_path, input_ids):
     manifest = json.loads((out / "normswap.json").read_text())
     marker = manifest.pop("output")  # what normswap wrote, so that overwrite=True may replace it later
     assert manifest == _report(kind=model_type)
-    assert marker == {"written_by": "normswap", "files": {p.name: p.stat().st_size for p in out.iterdir()
-                                                          if p.name != "normswap.json"}}  # fmt: skip
+    written = [p for p in sorted(out.iterdir()) if p.name != "normswap.json"]
+    sha256 = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in written}
+    sizes = {p.name: p.stat().st_size for p in written}
+    assert marker == {"written_by": "normswap", "files": sizes, "sha256": sha256}
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     auto = AutoModel if model_type == "bert" else AutoModelForCausalLM
     reloaded = auto.from_pretrained(out).eval()
@@ -547,6 +549,89 @@ def test_overwrite_guard(tmp_path):
     save_converted(model, None, _report(run=2), out, overwrite=True)  # its own output: replaced
     assert json.loads((out / "normswap.json").read_text())["run"] == 2
     assert _leftovers(tmp_path) == []
+
+
+def test_overwrite_refuses_an_edit_that_keeps_the_size(tmp_path):
+    """A user's edit of a file in a normswap output that keeps its size (temperature 0.6 -> 0.9) was
+    replaced by overwrite=True (the output was recognised by file sizes). Now the content's SHA-256 is
+    recorded and compared: refused in one line naming the file and the fix, nothing touched. Untouched,
+    with a listed file removed, or written before digests were recorded (sizes only), it is replaced."""
+    model = make_tiny_model("llama")
+    model.generation_config.temperature, model.generation_config.do_sample = 0.6, True
+    out = tmp_path / "out"
+    save_converted(model, None, _report(run=1), out)
+    generation = out / "generation_config.json"
+    text = generation.read_text()
+    assert '"temperature": 0.6' in text
+    generation.write_text(text.replace('"temperature": 0.6', '"temperature": 0.9'))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(NormswapError) as error:
+        save_converted(model, None, _report(run=2), out, overwrite=True)
+    _one_line(error)
+    line = str(error.value)
+    changed = "holds files changed since normswap wrote them: generation_config.json ("
+    assert f"output directory {out} " + changed in line
+    assert "same size, other content" in line and "move what you want to keep out of it" in line
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and _leftovers(tmp_path) == []
+    generation.write_text(text)  # the edit undone: normswap's own output again
+    save_converted(model, None, _report(run=2), out, overwrite=True)
+    assert json.loads((out / "normswap.json").read_text())["run"] == 2
+    (out / "config.json").unlink()  # a listed file removed: replaced, as before digests were recorded
+    save_converted(model, None, _report(run=3), out, overwrite=True)
+    assert json.loads((out / "normswap.json").read_text())["run"] == 3
+    manifest = json.loads((out / "normswap.json").read_text())  # an output of an earlier version: sizes only
+    del manifest["output"]["sha256"]
+    (out / "normswap.json").write_text(json.dumps(manifest))
+    generation.write_text(generation.read_text().replace('"temperature": 0.6', '"temperature": 0.9'))
+    save_converted(model, None, _report(run=4), out, overwrite=True)
+    assert json.loads((out / "normswap.json").read_text())["run"] == 4
+    assert '"temperature": 0.6' in generation.read_text() and _leftovers(tmp_path) == []
+
+
+def test_a_stop_asked_for_refuses_the_exchange(tmp_path, monkeypatch):
+    """A signal whose KeyboardInterrupt was lost (raised in a finalizer, Python prints "Exception ignored"
+    and goes on) let the run replace OUT and then exit 130. The commit asks the flag that the signal set,
+    immediately before the exchange: refused (``Stopped``, a KeyboardInterrupt), OUT byte-identical, the
+    staged folder and the lock removed. A signal within the exchange is answered after it."""
+    import signal
+
+    from normswap import stop
+    from normswap.io import staging
+    from normswap.io.staging import Staging
+
+    model = make_tiny_model("llama")
+    out = tmp_path / "out"
+    save_converted(model, None, _report(run="old"), out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def stop_asked(name):  # the manifest written: what the handler does, its KeyboardInterrupt then lost
+        if name == "finished":
+            stop.request(signal.SIGTERM)
+
+    monkeypatch.setattr(staging, "at_stage", stop_asked)
+    with stop.Signals() as signals:
+        with pytest.raises(stop.Stopped, match="SIGTERM before the output was replaced"):
+            with Staging(out, overwrite=True) as stage:
+                (stage.path / "config.json").write_text("{}")
+                stage.commit(_report(run="new"))
+        assert signals.seen and signals.exit_code == 143
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and _leftovers(tmp_path) == []
+    with stop.Signals():  # asked for while a file is hashed: the hashing stops too
+        with pytest.raises(stop.Stopped, match="SIGINT while .*config.json was hashed"):
+            with Staging(out, overwrite=True) as stage:
+                (stage.path / "config.json").write_text("{}")
+                stop.request(signal.SIGINT)
+                stage.commit(_report(run="new"))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and _leftovers(tmp_path) == []
+    assert not signals.seen or stop.requested() is None  # the flag is cleared for whatever runs next
+    within = None
+    with stop.Signals() as signals:
+        with pytest.raises(KeyboardInterrupt):
+            with stop.held() as hold:
+                os.kill(os.getpid(), signal.SIGINT)
+                sum(range(1000))  # where the handler would run: it only notes the signal
+                within = (hold.asked(), stop.requested())
+        assert within == (signal.SIGINT, None) and signals.seen and signals.exit_code == 130
 
 
 def test_failed_overwrite_keeps_old_output(tmp_path, monkeypatch):

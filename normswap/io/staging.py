@@ -8,11 +8,17 @@ So at every moment ``OUT`` holds one complete checkpoint: the previous one, unle
 answers "in use".
 
 What ``overwrite`` may replace: an empty directory, or a directory normswap wrote. A finished output's
-``normswap.json`` carries ``"output": {"written_by": "normswap", "files": {name: size}}`` (every other file
-of the folder with its size in bytes); a directory whose entries are all files listed there with the same
-size, plus the manifest itself, is an earlier normswap output. Anything else (a folder without that
-manifest, a file normswap did not write, a file whose size changed, a subfolder) is refused in one line
-that names what is inside, before anything is touched.
+``normswap.json`` carries ``"output": {"written_by": "normswap", "files": {name: size}, "sha256": {name:
+digest}}`` (every other file of the folder with its size in bytes and the SHA-256 of its content); a
+directory whose entries are all files listed there with the same size and content, plus the manifest
+itself, is an earlier normswap output. Anything else (a folder without that manifest, a file normswap did
+not write, a file whose size or content changed, a subfolder) is refused in one line that names what is
+inside, before anything is touched. An output written before the digests were recorded (no ``sha256``) is
+recognised by its sizes only.
+
+An interrupt is honoured at the exchange whatever became of its KeyboardInterrupt (``normswap.stop``): the
+commit holds SIGINT and SIGTERM (``stop.held``), refuses when a stop was asked for, and exchanges only
+otherwise.
 
 Stages: a save passes ``STAGES`` in order and calls ``at_stage(name)`` at each; ``at_stage`` does nothing.
 The fault-injection tests (tests/test_faults.py) replace it to kill the process there and check that ``OUT``
@@ -21,10 +27,12 @@ is the previous checkpoint or the verified new one, byte for byte.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import errno
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -34,7 +42,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from normswap import files
+from normswap import files, stop
 from normswap.errors import NormswapError
 
 log = logging.getLogger(__name__)
@@ -95,26 +103,89 @@ def _some(paths: list[Path], limit: int = 4) -> str:
 def listed_files(out: Path) -> dict[str, int] | None:
     """``{file name: size}`` that the ``normswap.json`` of ``out`` lists as written by normswap, or ``None``
     when there is no such manifest (missing, not JSON, no ``output`` marker)."""
+    listed = _listed(out)
+    return None if listed is None else listed[0]
+
+
+def _listed(out: Path) -> tuple[dict[str, int], dict[str, str] | None] | None:
+    """``({name: size}, {name: sha256} or None)`` of the ``output`` marker of ``out``'s manifest; ``None``
+    without one (or a malformed one). The digests are ``None`` in an output written before they were
+    recorded."""
     try:
         manifest = json.loads((out / MANIFEST).read_text())
         output = manifest["output"]
         if output["written_by"] != WRITER or not isinstance(output["files"], dict):
             return None
-        return {str(k): int(v) for k, v in output["files"].items()}
-    except (OSError, ValueError, KeyError, TypeError):
+        sizes = {str(k): int(v) for k, v in output["files"].items()}
+        digests = output.get("sha256")
+        if digests is not None:
+            if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
+                return None
+            digests = {str(k): v for k, v in digests.items()}
+        return sizes, digests
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+_CHUNK = 8 << 20  # bytes hashed per read: the file is streamed, never held
+# absolute path -> ((st_dev, st_ino, size, mtime_ns, ctime_ns) when hashed, its sha256): a run checks an
+# output before loading, under the lock and before the exchange, and hashes each file once (a write
+# changes its ctime, which nothing can set back)
+_hashed: dict[str, tuple[tuple, str]] = {}
+
+
+def _stat_key(path: Path) -> tuple:
+    st = os.stat(path, follow_symlinks=False)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def sha256_file(path: Path) -> str:
+    """The SHA-256 (hex) of ``path``'s content, read in 8 MiB chunks; remembered for the process while the
+    file's inode, size, mtime and ctime stay the same (a write changes its ctime).
+
+    Raises:
+        OSError: the file cannot be read.
+        normswap.stop.Stopped: a stop was asked for (SIGINT, SIGTERM) while it was read.
+    """
+    key = os.path.abspath(path)
+    before = _stat_key(path)
+    known = _hashed.get(key)
+    if known is not None and known[0] == before:
+        return known[1]
+    digest = hashlib.sha256()
+    buffer = memoryview(bytearray(_CHUNK))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(buffer[:n])  # the GIL is released: the files of a folder hash in parallel
+            if stop.requested() is not None:
+                raise stop.Stopped(f"{stop.requested().name} while {path} was hashed")
+    if _stat_key(path) == before:  # not written to while it was read
+        _hashed[key] = (before, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def sha256_files(paths: list[Path]) -> list[str]:
+    """``sha256_file`` of each path (in order), several files at a time (up to 8 threads, the CPUs')."""
+    workers = min(len(paths), os.cpu_count() or 1, 8)
+    if workers <= 1:
+        return [sha256_file(p) for p in paths]
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="normswap-sha256") as pool:
+        return list(pool.map(sha256_file, paths))
 
 
 def not_replaceable(out: Path) -> str | None:
     """Why the existing directory ``out`` must not be replaced (one clause), or ``None`` when it may be:
-    it is empty, or every entry is a file its normswap manifest lists, with the listed size."""
+    it is empty, or every entry is a file its normswap manifest lists, with the listed size and (where the
+    manifest records it) SHA-256. Sizes are compared first; then the files are hashed in name order, and
+    the first whose content differs is named."""
     entries = list(out.iterdir())
     if not entries:
         return None
-    listed = listed_files(out)
-    if listed is None:
+    both = _listed(out)
+    if both is None:
         return f"is not a normswap output (no {MANIFEST} listing its files) and holds {_some(entries)}"
-    foreign, changed = [], []
+    listed, sha256 = both
+    foreign, changed, present = [], [], []
     folders = {parent.as_posix() for name in listed for parent in Path(name).parents if parent != Path(".")}
     pending = entries
     while pending:  # into the subfolders that normswap wrote only
@@ -128,10 +199,17 @@ def not_replaceable(out: Path) -> str | None:
             foreign.append(path)
         elif path.stat().st_size != listed[rel]:
             changed.append(path)
+        else:
+            present.append(rel)
     if foreign:
         return f"holds what normswap did not write: {_some(foreign)}"
     if changed:
         return f"holds files changed since normswap wrote them: {_some(changed)}"
+    recorded = sorted(rel for rel in present if rel in (sha256 or {}))
+    for rel, digest in zip(recorded, sha256_files([out / rel for rel in recorded]), strict=True):
+        if digest != sha256[rel]:
+            return (f"holds files changed since normswap wrote them: {rel} (same size, other content than "
+                    f"the SHA-256 its {MANIFEST} records)")  # fmt: skip
     return None
 
 
@@ -160,7 +238,7 @@ def check_replaceable(out: Path, overwrite: bool) -> None:
     if reason is not None:
         raise NormswapError(
             f"output directory {out} {reason}; overwrite=True replaces only a directory that normswap "
-            "wrote or an empty one: choose another output directory"
+            "wrote or an empty one: move what you want to keep out of it, or choose another output directory"
         )
 
 
@@ -247,6 +325,12 @@ def _recover(out: Path) -> list[Path]:
     return stale
 
 
+def file_digests(folder: Path, names) -> dict[str, str]:
+    """``{name: SHA-256 hex}`` of the files ``names`` (relative to ``folder``, with ``/``)."""
+    names = list(names)
+    return dict(zip(names, sha256_files([folder / name for name in names]), strict=True))
+
+
 def file_sizes(folder: Path) -> dict[str, int]:
     """``{path: size in bytes}`` of every file under ``folder`` but the manifest (the ``output`` marker);
     paths relative to ``folder`` with ``/`` (a copied ``1_Pooling/config.json`` is one entry)."""
@@ -293,6 +377,7 @@ class Staging:
         except OSError as error:
             raise files.write_error(self.out.parent, error) from error
         try:  # whatever ends it here (an error, an interrupt) removes what was made and releases the lock
+            self._stack.enter_context(stop.watching())  # the Python API's Ctrl-C sets the flag too
             self._stack.enter_context(files.output_lock(self.out))
             _recover(self.out)
             check_replaceable(self.out, self.overwrite)  # again: the directory may have changed meanwhile
@@ -322,21 +407,30 @@ class Staging:
 
     def commit(self, manifest: dict) -> Path:
         """Write ``manifest`` as the staged folder's ``normswap.json`` (atomically, with the ``output`` marker
-        listing every other file and its size), then exchange the folder with the output in one step.
+        listing every other file, its size and its SHA-256), then exchange the folder with the output in one
+        step, unless a stop was asked for (``normswap.stop``): that is asked with SIGINT and SIGTERM held,
+        immediately before the exchange, so a signal whose KeyboardInterrupt was lost (raised in a finalizer,
+        caught by a library) still stops it. A signal that arrives during the exchange is delivered after
+        it (its KeyboardInterrupt then comes from here, the output replaced).
 
         Returns the output directory. Raises ``NormswapError`` (output untouched) when the output may no
-        longer be replaced or a write fails.
+        longer be replaced or a write fails; ``normswap.stop.Stopped`` (a KeyboardInterrupt; output
+        untouched) when a stop was asked for.
         """
         data = dict(manifest)
         with self.writing():
             files.apply_umask(self.path)
-            data["output"] = {"written_by": WRITER, "files": file_sizes(self.path)}
+            sizes = file_sizes(self.path)
+            data["output"] = {"written_by": WRITER, "files": sizes, "sha256": file_digests(self.path, sizes)}
             files.write_json(self.path / MANIFEST, data)
             _latest[os.path.abspath(self.out)] = (_latest[os.path.abspath(self.out)][0], data)
             at_stage("finished")
-            check_replaceable(self.out, self.overwrite)
-            _replace_dir(self.path, self.out)
-        self.committed = True
+            check_replaceable(self.out, self.overwrite)  # the digests hashed by the earlier checks are kept
+            with stop.held() as hold:  # a signal from here on is answered after the exchange
+                if hold.asked() is not None:
+                    raise stop.Stopped(f"{hold.asked().name} before the output was replaced")
+                _replace_dir(self.path, self.out)
+                self.committed = True
         at_stage("exchanged")
         return self.out
 
