@@ -21,6 +21,7 @@ import click
 
 from normswap.errors import NormswapError
 from normswap.options import OutputPath, device_option, dtype_option, model_name
+from normswap.quantize import SCHEMES
 
 if TYPE_CHECKING:
     import torch
@@ -255,6 +256,132 @@ def _evaluate(original, converted, windows, accelerator, progress):
     return summarize(torch.cat(gathered)) | {"num_processes": acc.num_processes}
 
 
+# per-window record of a quantized pass: both quantized models against the float original
+_QFIELDS = ("window", "nll_original", "nll_converted", "kl_original", "kl_converted", "top1_original",
+            "top1_converted", "positions", "targets")  # fmt: skip
+
+
+def quantized_record(original, converted, ids: torch.Tensor, index: int, scheme) -> tuple[torch.Tensor, set]:
+    """The float ``original`` and both models under ``scheme`` (``normswap.quantize``) on one ``(1, w)``
+    window -> (float64 ``(1, len(_QFIELDS))`` sums, names of the linear ops quantized in ``original``)."""
+    import torch
+
+    from normswap.check.metrics import logit_metrics, next_token_targets
+    from normswap.quantize.fake import quantized
+
+    def logits(model):
+        with torch.no_grad():
+            out = model(input_ids=ids.to(_device(model)), use_cache=False)
+        return out.logits.reshape(-1, out.logits.shape[-1]).float().cpu()
+
+    reference, targets = logits(original), next_token_targets(ids)
+    metrics, ops = [], set()
+    for model in (original, converted):
+        with quantized(model, scheme) as mode:
+            metrics.append(logit_metrics(reference, logits(model), targets))
+        ops = ops or mode.ops
+    o, c = metrics
+    row = (index, o["nll_conv"], c["nll_conv"], o["kl_mean"] * o["rows"], c["kl_mean"] * c["rows"])
+    row += (o["top1"] * o["rows"], c["top1"] * c["rows"], o["rows"], o["n_targets"])
+    return torch.tensor([row], dtype=torch.float64, device="cpu"), ops
+
+
+def summarize_quantized(records: torch.Tensor) -> dict:
+    """Sum gathered quantized records -> ``{"original"|"converted": {"ppl", "kl", "top1_agreement"}}``
+    (``kl``: mean KL(float original || the quantized model) per position, natural log)."""
+    from normswap.check.metrics import perplexity
+
+    records = records[records[:, 0].argsort()]
+    sums = dict(zip(_QFIELDS, records.sum(0).tolist(), strict=True))
+    return {
+        side: {
+            "ppl": perplexity(sums[f"nll_{side}"], sums["targets"]),
+            "kl": sums[f"kl_{side}"] / sums["positions"],
+            "top1_agreement": sums[f"top1_{side}"] / sums["positions"],
+        }
+        for side in ("original", "converted")
+    }
+
+
+def evaluate_quantized(original, converted, windows, schemes, accelerator=None, progress: bool = True):
+    """Both models fake-quantized by each of ``schemes`` (``normswap.quantize``), against the float original.
+
+    Each scheme is one pass over ``windows`` (sharded over the accelerate processes as in :func:`evaluate`):
+    per window the float ``original`` gives the reference logits, then each model runs under the scheme
+    (activations quantized as they flow, weights through a quantized copy: neither model is changed).
+
+    Args:
+        original, converted: causal LMs sharing a vocabulary.
+        windows: ``(1, w)`` long tensors, the same list on every process.
+        schemes: scheme names (``normswap.quantize.SCHEMES``).
+        accelerator: an ``accelerate.Accelerator`` (created if ``None``).
+        progress: a tqdm bar per scheme and, when it ends, one line on stderr (main process only).
+
+    Returns:
+        ``{scheme: {"description", "linear_ops", "original": {"ppl", "kl", "top1_agreement"}, "converted":
+        {...}}}`` on every process; ``linear_ops`` counts the linear ops quantized in ``original``.
+
+    Raises:
+        NormswapError: an unknown scheme.
+    """
+    import time
+
+    import torch
+    from torch.utils.data import DataLoader
+    from tqdm.auto import tqdm
+
+    from normswap.device import exact_float32
+    from normswap.quantize import get_scheme
+
+    acc = accelerator or make_accelerator()
+    chosen = [get_scheme(name) for name in schemes]
+    show = progress and acc.is_main_process
+    results = {}
+    with exact_float32():
+        for scheme in chosen:
+            started = time.time()
+            loader = acc.prepare(DataLoader(list(range(len(windows))), batch_size=1))
+            bar = tqdm(total=len(windows), desc=f"quantized {scheme.name}", disable=not show)
+            gathered, ops = [], set()
+            for batch in loader:
+                index = int(batch[0])
+                record, seen = quantized_record(original, converted, windows[index], index, scheme)
+                ops |= seen
+                gathered.append(acc.gather_for_metrics(record.to(acc.device)).cpu())
+                bar.update(gathered[-1].shape[0])
+            bar.close()
+            result = summarize_quantized(torch.cat(gathered))
+            results[scheme.name] = {"description": scheme.description, "linear_ops": len(ops), **result}
+            if show:
+                o, c = result["original"], result["converted"]
+                click.echo(
+                    f"quantized {scheme.name} ({scheme.description}; {len(ops)} linear ops): perplexity "
+                    f"original {o['ppl']:.4f}, converted {c['ppl']:.4f} [{time.time() - started:.1f} s]",
+                    err=True,
+                )
+    return results
+
+
+def quantized_table(result: dict) -> str:
+    """The printed table of ``result["quantized"]`` (with the float row from ``result``'s own numbers)."""
+    rows = [("float", result["ppl_original"], 0.0, result["ppl_converted"], result["kl_mean"])]
+    for name, q in result["quantized"].items():
+        rows.append(
+            (name, q["original"]["ppl"], q["original"]["kl"], q["converted"]["ppl"], q["converted"]["kl"])
+        )
+    lines = [f"  {'quantized':<10}{'original ppl':>14}{'KL':>11}{'converted ppl':>16}{'KL':>11}"]
+    for name, po, ko, pc, kc in rows:
+        lines.append(f"  {name:<10}{_fmt(po, '.4f'):>14}{ko:>11.4g}{_fmt(pc, '.4f'):>16}{kc:>11.4g}")
+    lines.append(
+        "  (both models fake-quantized the same way; KL: mean KL(float original || model) per token)"
+    )
+    return "\n".join(lines)
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 @click.command("eval")
 @click.option("--model", "model_source", required=True, callback=model_name,
               help="The original MODEL (as for convert).")  # fmt: skip
@@ -288,6 +415,11 @@ def _evaluate(original, converted, windows, accelerator, progress):
 @click.option("--tasks", help="Comma-separated lm-eval tasks (e.g. arc_easy,hellaswag): run them paired "
               "instead of the perplexity evaluation (needs lm-eval: `pip install -e '.[eval]'` in normswap's "
               "checkout).")  # fmt: skip
+@click.option("--quantize", "schemes", multiple=True, type=click.Choice(list(SCHEMES)), metavar="SCHEME",
+              help="Also evaluate both models fake-quantized the same way (repeatable): a8, a6, a4 "
+              "(per-token activations at every linear op's input), w4 (weights per output channel); "
+              "round-to-nearest, lm_head left out; perplexity and KL to the float original, side by "
+              "side.")  # fmt: skip
 @click.option("--include-path", type=click.Path(file_okay=False), help="Folder of extra lm-eval task YAMLs.")
 @click.option("--limit", type=click.IntRange(min=1), help="At most N documents per task (with --tasks).")
 @click.option("--num-fewshot", type=click.IntRange(min=0), help="Few-shot examples (with --tasks).")
@@ -295,10 +427,14 @@ def _evaluate(original, converted, windows, accelerator, progress):
               help="lm-eval requests per forward pass (with --tasks).")  # fmt: skip
 def eval_command(
     model_source, converted, text_file, dataset, dataset_config, split, column, max_tokens, window, dtype,
-    device_map, device, report, trust_remote_code, tasks, include_path, limit, num_fewshot, batch_size,
+    device_map, device, report, trust_remote_code, tasks, schemes, include_path, limit, num_fewshot,
+    batch_size,
 ):  # fmt: skip
     """Perplexity, KL and top-1 agreement of --converted vs --model on the same windows of real text;
     with --tasks, lm-evaluation-harness tasks on both models, compared item by item.
+
+    --quantize SCHEME (repeatable) also runs both models fake-quantized by SCHEME and prints, per scheme,
+    each one's perplexity and KL to the float original: how well each quantizes (normswap.quantize).
 
     Runs unchanged under `accelerate launch --multi_gpu --num_processes K -m normswap eval ...` (on a
     CPU-only machine too: the K processes then form a CPU group): windows (or lm-eval's documents) are
@@ -317,6 +453,8 @@ def eval_command(
 
         if text_file is not None or dataset is not None:
             raise NormswapError("--text/--dataset choose the perplexity evaluation's text; not with --tasks")
+        if schemes:
+            raise NormswapError("--quantize applies to the perplexity evaluation; run it without --tasks")
         tasks = [name.strip() for name in tasks.split(",") if name.strip()]
         manager = lmeval.load_tasks(tasks, include_path)
     elif include_path is not None or limit is not None or num_fewshot is not None:
@@ -361,6 +499,9 @@ def eval_command(
     largest = max(int(w.max()) for w in windows)
     check_vocabulary(largest, both, f"the tokenizer of {model_source} on {source}")
     result = evaluate(original, conv, windows, acc, progress=sys.stderr.isatty())
+    if schemes:
+        schemes = list(dict.fromkeys(schemes))  # each once, in the order given
+        result["quantized"] = evaluate_quantized(original, conv, windows, schemes, acc, sys.stderr.isatty())
     if acc.is_main_process:
         result = {
             "model": model_source, "converted": converted, "text": source, "window": window, "dtype": dtype,
@@ -376,4 +517,6 @@ def eval_command(
             f"  KL mean {result['kl_mean']:.4g}  top-1 agreement {result['top1_agreement']:.4%}  "
             f"max abs logit diff {result['max_abs_logit_diff']:.3g}"
         )
+        if schemes:
+            click.echo(quantized_table(result))
     acc.end_training()
