@@ -256,18 +256,61 @@ def _evaluate(original, converted, windows, accelerator, progress):
     return summarize(torch.cat(gathered)) | {"num_processes": acc.num_processes}
 
 
+def calibration_windows(tokenizer, text_file, samples: int, length: int, *, eval_chars: int | None):
+    """``samples`` windows of ``length`` tokens to calibrate the llm-compressor schemes on.
+
+    From ``text_file`` (its first tokens) or, by default, from the end of Python's pydoc topics (the
+    evaluation's default text is their beginning). ``eval_chars``: how many characters of the default text
+    the evaluation reads (``None`` when it reads another text).
+
+    Returns:
+        list of ``(1, length)`` long tensors.
+
+    Raises:
+        NormswapError: the text is unreadable or too short, or the default calibration text would overlap
+            the default evaluation text.
+    """
+    import torch
+
+    from normswap.check.text import default_text
+
+    needed = samples * length
+    if text_file is not None:
+        text, source = read_text(text_file)
+    else:
+        full = default_text()
+        start = max(0, len(full) - 16 * needed)  # some 16 characters a token at least
+        if eval_chars is not None and start < eval_chars:
+            raise NormswapError(
+                "the default calibration text (the end of pydoc topics) would overlap the evaluation text; "
+                "pass --calibration FILE or fewer --calibration-samples/--calibration-length"
+            )
+        text, source = full[start:], "the end of pydoc_data.topics"
+    ids = tokenizer(text)["input_ids"]
+    if len(ids) < needed:
+        raise NormswapError(
+            f"{source} gives only {len(ids)} tokens, fewer than the {samples} x {length} asked for "
+            f"(pass a longer --calibration text or fewer --calibration-samples)"
+        )
+    ids = ids[len(ids) - needed :] if text_file is None else ids[:needed]
+    return list(torch.tensor([ids], dtype=torch.long).split(length, dim=1))
+
+
 # per-window record of a quantized pass: both quantized models against the float original
 _QFIELDS = ("window", "nll_original", "nll_converted", "kl_original", "kl_converted", "top1_original",
             "top1_converted", "positions", "targets")  # fmt: skip
 
 
-def quantized_record(original, converted, ids: torch.Tensor, index: int, scheme) -> tuple[torch.Tensor, set]:
-    """The float ``original`` and both models under ``scheme`` (``normswap.quantize``) on one ``(1, w)``
-    window -> (float64 ``(1, len(_QFIELDS))`` sums, names of the linear ops quantized in ``original``)."""
+def quantized_record(original, runners, ids: torch.Tensor, index: int) -> tuple[torch.Tensor, set]:
+    """The float ``original`` and both quantized models on one ``(1, w)`` window -> (float64
+    ``(1, len(_QFIELDS))`` sums, names of the linear ops the first runner's fake quantization saw).
+
+    ``runners``: ``[(model, context), ...]`` for the original and the converted model: each model runs
+    inside ``context()`` (``normswap.quantize.fake.quantized(model, scheme)``, or a null context for a
+    model quantized by a library)."""
     import torch
 
     from normswap.check.metrics import logit_metrics, next_token_targets
-    from normswap.quantize.fake import quantized
 
     def logits(model):
         with torch.no_grad():
@@ -276,10 +319,10 @@ def quantized_record(original, converted, ids: torch.Tensor, index: int, scheme)
 
     reference, targets = logits(original), next_token_targets(ids)
     metrics, ops = [], set()
-    for model in (original, converted):
-        with quantized(model, scheme) as mode:
+    for model, context in runners:
+        with context() as mode:
             metrics.append(logit_metrics(reference, logits(model), targets))
-        ops = ops or mode.ops
+        ops = ops or set(getattr(mode, "ops", ()))
     o, c = metrics
     row = (index, o["nll_conv"], c["nll_conv"], o["kl_mean"] * o["rows"], c["kl_mean"] * c["rows"])
     row += (o["top1"] * o["rows"], c["top1"] * c["rows"], o["rows"], o["n_targets"])
@@ -303,7 +346,27 @@ def summarize_quantized(records: torch.Tensor) -> dict:
     }
 
 
-def evaluate_quantized(original, converted, windows, schemes, accelerator=None, progress: bool = True):
+def _runners(original, converted, scheme, calibration, tokenizer) -> tuple[list, int | None]:
+    """``([(model, context factory)] for both models, linear ops quantized if a library counted them)``."""
+    import contextlib
+    import functools
+
+    if scheme.library is None:
+        from normswap.quantize.fake import quantized
+
+        return [(m, functools.partial(quantized, m, scheme)) for m in (original, converted)], None
+    from normswap.quantize import llmc
+
+    if not calibration:
+        raise NormswapError(f"--quantize {scheme.name} needs calibration text (GPTQ calibrates on it)")
+    copies = [llmc.quantize_copy(m, scheme, calibration, tokenizer) for m in (original, converted)]
+    return [(m, contextlib.nullcontext) for m in copies], llmc.quantized_ops(copies[0])
+
+
+def evaluate_quantized(
+    original, converted, windows, schemes, accelerator=None, progress: bool = True, calibration=None,
+    tokenizer=None,
+):  # fmt: skip
     """Both models fake-quantized by each of ``schemes`` (``normswap.quantize``), against the float original.
 
     Each scheme is one pass over ``windows`` (sharded over the accelerate processes as in :func:`evaluate`):
@@ -314,6 +377,8 @@ def evaluate_quantized(original, converted, windows, schemes, accelerator=None, 
         original, converted: causal LMs sharing a vocabulary.
         windows: ``(1, w)`` long tensors, the same list on every process.
         schemes: scheme names (``normswap.quantize.SCHEMES``).
+        calibration, tokenizer: ``(1, L)`` token windows and the tokenizer, for the llm-compressor schemes
+            (``normswap.quantize.llmc``: each model is quantized as a copy, once per scheme).
         accelerator: an ``accelerate.Accelerator`` (created if ``None``).
         progress: a tqdm bar per scheme and, when it ends, one line on stderr (main process only).
 
@@ -322,7 +387,7 @@ def evaluate_quantized(original, converted, windows, schemes, accelerator=None, 
         {...}}}`` on every process; ``linear_ops`` counts the linear ops quantized in ``original``.
 
     Raises:
-        NormswapError: an unknown scheme.
+        NormswapError: an unknown scheme; an llm-compressor scheme without llm-compressor or calibration.
     """
     import time
 
@@ -340,22 +405,25 @@ def evaluate_quantized(original, converted, windows, schemes, accelerator=None, 
     with exact_float32():
         for scheme in chosen:
             started = time.time()
+            runners, counted = _runners(original, converted, scheme, calibration, tokenizer)
             loader = acc.prepare(DataLoader(list(range(len(windows))), batch_size=1))
             bar = tqdm(total=len(windows), desc=f"quantized {scheme.name}", disable=not show)
             gathered, ops = [], set()
             for batch in loader:
                 index = int(batch[0])
-                record, seen = quantized_record(original, converted, windows[index], index, scheme)
+                record, seen = quantized_record(original, runners, windows[index], index)
                 ops |= seen
                 gathered.append(acc.gather_for_metrics(record.to(acc.device)).cpu())
                 bar.update(gathered[-1].shape[0])
             bar.close()
             result = summarize_quantized(torch.cat(gathered))
-            results[scheme.name] = {"description": scheme.description, "linear_ops": len(ops), **result}
+            del runners  # a library's quantized copies
+            ops = len(ops) if counted is None else counted
+            results[scheme.name] = {"description": scheme.description, "linear_ops": ops, **result}
             if show:
                 o, c = result["original"], result["converted"]
                 click.echo(
-                    f"quantized {scheme.name} ({scheme.description}; {len(ops)} linear ops): perplexity "
+                    f"quantized {scheme.name} ({scheme.description}; {ops} linear ops): perplexity "
                     f"original {o['ppl']:.4f}, converted {c['ppl']:.4f} [{time.time() - started:.1f} s]",
                     err=True,
                 )
@@ -416,10 +484,18 @@ def _fmt(value, spec: str) -> str:
               "instead of the perplexity evaluation (needs lm-eval: `pip install -e '.[eval]'` in normswap's "
               "checkout).")  # fmt: skip
 @click.option("--quantize", "schemes", multiple=True, type=click.Choice(list(SCHEMES)), metavar="SCHEME",
-              help="Also evaluate both models fake-quantized the same way (repeatable): a8, a6, a4 "
-              "(per-token activations at every linear op's input), w4 (weights per output channel); "
-              "round-to-nearest, lm_head left out; perplexity and KL to the float original, side by "
+              help="Also evaluate both models quantized the same way (repeatable): a8, a6, a4 (per-token "
+              "activations at every linear op's input), w4 (weights per output channel), round-to-nearest in "
+              "torch; w8a8, w4a16, w4a16-gptq, w4a8-gptq through llm-compressor (`pip install -e "
+              "'.[quant]'`); lm_head left out; perplexity and KL to the float original, side by "
               "side.")  # fmt: skip
+@click.option("--calibration", "calibration_file", type=click.Path(exists=True, dir_okay=False),
+              help="UTF-8 text the GPTQ schemes calibrate on [default: the end of pydoc topics, not the "
+              "evaluation text].")  # fmt: skip
+@click.option("--calibration-samples", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Calibration windows for the llm-compressor schemes.")  # fmt: skip
+@click.option("--calibration-length", type=click.IntRange(min=2), default=256, show_default=True,
+              help="Tokens per calibration window.")  # fmt: skip
 @click.option("--include-path", type=click.Path(file_okay=False), help="Folder of extra lm-eval task YAMLs.")
 @click.option("--limit", type=click.IntRange(min=1), help="At most N documents per task (with --tasks).")
 @click.option("--num-fewshot", type=click.IntRange(min=0), help="Few-shot examples (with --tasks).")
@@ -427,8 +503,8 @@ def _fmt(value, spec: str) -> str:
               help="lm-eval requests per forward pass (with --tasks).")  # fmt: skip
 def eval_command(
     model_source, converted, text_file, dataset, dataset_config, split, column, max_tokens, window, dtype,
-    device_map, device, report, trust_remote_code, tasks, schemes, include_path, limit, num_fewshot,
-    batch_size,
+    device_map, device, report, trust_remote_code, tasks, schemes, calibration_file, calibration_samples,
+    calibration_length, include_path, limit, num_fewshot, batch_size,
 ):  # fmt: skip
     """Perplexity, KL and top-1 agreement of --converted vs --model on the same windows of real text;
     with --tasks, lm-evaluation-harness tasks on both models, compared item by item.
@@ -459,6 +535,13 @@ def eval_command(
         manager = lmeval.load_tasks(tasks, include_path)
     elif include_path is not None or limit is not None or num_fewshot is not None:
         raise NormswapError("--include-path, --limit and --num-fewshot apply to --tasks only")
+    if any(SCHEMES[name].library for name in schemes):
+        import importlib.util
+
+        if importlib.util.find_spec("llmcompressor") is None:
+            from normswap.quantize.llmc import INSTALL
+
+            raise NormswapError(f"--quantize {', '.join(schemes)} needs llm-compressor: {INSTALL}")
     acc = make_accelerator()
     target = acc.device if device == "auto" else device  # auto: the device accelerate gave this process
     kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, device=target)
@@ -501,7 +584,15 @@ def eval_command(
     result = evaluate(original, conv, windows, acc, progress=sys.stderr.isatty())
     if schemes:
         schemes = list(dict.fromkeys(schemes))  # each once, in the order given
-        result["quantized"] = evaluate_quantized(original, conv, windows, schemes, acc, sys.stderr.isatty())
+        calibration = None
+        if any(SCHEMES[name].library for name in schemes):
+            eval_chars = 8 * max_tokens if text_file is None and dataset is None else None
+            calibration = calibration_windows(
+                tokenizer, calibration_file, calibration_samples, calibration_length, eval_chars=eval_chars
+            )
+        result["quantized"] = evaluate_quantized(
+            original, conv, windows, schemes, acc, sys.stderr.isatty(), calibration, tokenizer
+        )
     if acc.is_main_process:
         result = {
             "model": model_source, "converted": converted, "text": source, "window": window, "dtype": dtype,

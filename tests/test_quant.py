@@ -9,6 +9,7 @@ module types, so the two also cross-check which ops are quantized.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
 
@@ -101,9 +102,12 @@ def test_rtn_keeps_dtype_and_rounds_in_float32():
 
 
 def test_schemes_table_and_unknown_name():
-    assert {n: (s.activation_bits, s.weight_bits) for n, s in SCHEMES.items()} == {
-        "a8": (8, None), "a6": (6, None), "a4": (4, None), "w4": (None, 4),
-    }  # fmt: skip
+    own = {n: (s.activation_bits, s.weight_bits) for n, s in SCHEMES.items() if s.library is None}
+    assert own == {"a8": (8, None), "a6": (6, None), "a4": (4, None), "w4": (None, 4)}
+    library = {n: (s.activation_bits, s.weight_bits, s.group_size, s.method)
+               for n, s in SCHEMES.items() if s.library == "llmcompressor"}  # fmt: skip
+    assert library == {"w8a8": (8, 8, None, "rtn"), "w4a16": (None, 4, 64, "rtn"),
+                       "w4a16-gptq": (None, 4, 64, "gptq"), "w4a8-gptq": (8, 4, 64, "gptq")}  # fmt: skip
     with pytest.raises(normswap.NormswapError, match="unknown quantization scheme 'a5'; known: a8, a6"):
         get_scheme("a5")
 
@@ -264,7 +268,7 @@ def test_cli_eval_quantize_refusals(tmp_path):
 
     args = ["eval", "--model", "x", "--converted", "y"]
     bad = CliRunner().invoke(main, [*args, "--quantize", "a5"])
-    assert bad.exit_code == 2 and "'a5' is not one of 'a8', 'a6', 'a4', 'w4'" in bad.output
+    assert bad.exit_code == 2 and "'a5' is not one of 'a8', 'a6', 'a4', 'w4', 'w8a8'" in bad.output
     orig, conv = save_pair(tmp_path, "llama")
     tasks = CliRunner().invoke(main, ["eval", "--model", str(orig), "--converted", str(conv), "--tasks",
                                       "normswap_mc", "--quantize", "a8"])  # fmt: skip
@@ -285,3 +289,65 @@ def test_convert_summary_says_folded_weights_quantize_worse():
     ]
     for other in ({"rotation": {"kind": "hadamard"}}, {"norms_folded": 0}):  # rotated, or nothing folded
         assert _quantize_line(report | other, "out") is None
+
+
+# ---------------------------------------------------------------- llm-compressor (the quant extra)
+HAVE_LLMC = importlib.util.find_spec("llmcompressor") is not None
+
+
+@pytest.mark.skipif(HAVE_LLMC, reason="llm-compressor is installed")
+def test_llmcompressor_schemes_without_it_name_the_install(tmp_path):
+    from normswap.cli import main
+
+    orig, conv = save_pair(tmp_path, "llama")
+    result = CliRunner().invoke(main, ["eval", "--model", str(orig), "--converted", str(conv), "--quantize",
+                                       "w4a16-gptq"])  # fmt: skip
+    assert result.exit_code == 2
+    assert "--quantize w4a16-gptq needs llm-compressor: pip install -e '.[quant]'" in result.output
+
+
+@pytest.mark.quant
+@pytest.mark.skipif(not HAVE_LLMC, reason="needs llm-compressor (pip install -e '.[quant]')")
+def test_llmcompressor_quantizes_copies_of_the_rotated_and_original(rotated_pair, input_ids):
+    from test_check import byte_tokenizer
+
+    original, rotated = rotated_pair
+    before = {n: p.clone() for n, p in original.state_dict().items()}
+    gen = torch.Generator().manual_seed(7)
+    calibration = [torch.randint(0, 128, (1, 32), generator=gen) for _ in range(4)]
+    schemes = ["w8a8", "w4a16", "w4a16-gptq", "w4a8-gptq"]
+    result = evaluate_quantized(original, rotated, _windows(input_ids), schemes, progress=False,
+                                calibration=calibration, tokenizer=byte_tokenizer())  # fmt: skip
+    float_ppl = evaluate(original, rotated, _windows(input_ids), progress=False)["ppl_original"]
+    assert list(result) == schemes
+    for entry in result.values():
+        assert entry["linear_ops"] == 14 and "llm-compressor" in entry["description"]
+        o, c = entry["original"], entry["converted"]
+        # finite, and (4-bit weights of a tiny random model move its perplexity by well under 5%) close to
+        # the float model's and to each other's: the rotated model quantizes as well as the original here
+        assert math.isfinite(o["ppl"]) and math.isfinite(c["ppl"]) and c["kl"] > 0
+        assert o["ppl"] == pytest.approx(float_ppl, rel=0.05) and c["ppl"] == pytest.approx(
+            o["ppl"], rel=0.05
+        )
+    for n, p in original.state_dict().items():  # quantized as copies
+        assert torch.equal(p, before[n]), n
+
+
+@pytest.mark.quant
+@pytest.mark.skipif(not HAVE_LLMC, reason="needs llm-compressor (pip install -e '.[quant]')")
+def test_cli_eval_quantize_gptq_end_to_end(tmp_path):
+    from normswap.check.text import default_text
+    from normswap.cli import main
+
+    orig, conv = save_pair(tmp_path, "llama")
+    text = tmp_path / "calibration.txt"
+    text.write_text(default_text()[-4000:])
+    report = tmp_path / "r.json"
+    args = ["eval", "--model", str(orig), "--converted", str(conv), "--max-tokens", "96", "--window", "48",
+            "--quantize", "w4a16-gptq", "--calibration", str(text), "--calibration-samples", "4",
+            "--calibration-length", "64", "--report", str(report)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    entry = json.loads(report.read_text())["quantized"]["w4a16-gptq"]
+    assert math.isfinite(entry["original"]["ppl"]) and math.isfinite(entry["converted"]["ppl"])
+    assert any(line.split()[:1] == ["w4a16-gptq"] for line in result.output.splitlines())

@@ -16,11 +16,17 @@ leave it in higher precision; so are embedding lookups (not linear ops) and stac
 (``bmm``/``grouped_mm`` of MoE layers: not 2-D parameters). The scheme table here imports no torch;
 ``normswap.quantize.fake`` holds the fake quantization.
 
-Schemes (:data:`SCHEMES`), symmetric round-to-nearest with ``L = 2^(b-1) - 1`` levels on each side
-(``2^b - 1`` values, ``-L .. L`` times the scale), scale = ``max |x| / L`` over each slice:
+normswap's own schemes (:data:`SCHEMES` with ``library`` None), symmetric round-to-nearest with
+``L = 2^(b-1) - 1`` levels on each side (``2^b - 1`` values, ``-L .. L`` times the scale), scale =
+``max |x| / L`` over each slice:
 
 * ``a8``, ``a6``, ``a4``: the input of every linear op, per token (one scale per row of the last axis);
 * ``w4``: the weight of every linear op, per output channel (one scale per output feature).
+
+With llm-compressor installed (the ``quant`` extra, in an environment of its own: it pins transformers),
+``w8a8`` (8-bit weights per channel, 8-bit dynamic per-token activations), ``w4a16`` (4-bit weights in groups
+of 64, round-to-nearest), ``w4a16-gptq`` and ``w4a8-gptq`` (GPTQ, calibrated on text) run through its
+``oneshot`` on a copy of each model (``normswap.quantize.llmc``).
 
 The model is never modified: activations are quantized as they flow, and a weight scheme uses a quantized
 copy of each linear weight, made on first use and held while the context is open (about the linear
@@ -36,21 +42,29 @@ from normswap.errors import NormswapError
 
 @dataclass(frozen=True)
 class Scheme:
-    """One fake-quantization scheme: ``activation_bits`` (per token) and/or ``weight_bits`` (per output
-    channel), ``None`` where that side stays in the model's precision."""
+    """One quantization scheme: ``activation_bits`` (per token) and/or ``weight_bits`` (per output channel, or
+    per ``group_size`` inputs of it), ``None`` where that side stays in the model's precision; ``library``
+    ``None`` for normswap's own round-to-nearest fake quantization, ``"llmcompressor"`` for a scheme run
+    through llm-compressor (``method`` ``"rtn"`` or ``"gptq"``, ``normswap.quantize.llmc``)."""
 
     name: str
     activation_bits: int | None = None
     weight_bits: int | None = None
+    group_size: int | None = None
+    library: str | None = None
+    method: str = "rtn"
 
     @property
     def description(self) -> str:
         parts = []
+        if self.weight_bits:
+            per = f"per group of {self.group_size} inputs" if self.group_size else "per output channel"
+            parts.append(f"{self.weight_bits}-bit weights {per}")
         if self.activation_bits:
             parts.append(f"{self.activation_bits}-bit activations per token")
-        if self.weight_bits:
-            parts.append(f"{self.weight_bits}-bit weights per output channel")
-        return " and ".join(parts) + ", round-to-nearest, at every linear op but lm_head"
+        how = "GPTQ" if self.method == "gptq" else "round-to-nearest"
+        where = f"llm-compressor {how}" if self.library else how
+        return " and ".join(parts) + f", {where}, at every linear op but lm_head"
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -58,6 +72,12 @@ SCHEMES: dict[str, Scheme] = {
     "a6": Scheme("a6", activation_bits=6),
     "a4": Scheme("a4", activation_bits=4),
     "w4": Scheme("w4", weight_bits=4),
+    "w8a8": Scheme("w8a8", activation_bits=8, weight_bits=8, library="llmcompressor"),
+    "w4a16": Scheme("w4a16", weight_bits=4, group_size=64, library="llmcompressor"),
+    "w4a16-gptq": Scheme("w4a16-gptq", weight_bits=4, group_size=64, library="llmcompressor", method="gptq"),
+    "w4a8-gptq": Scheme(
+        "w4a8-gptq", activation_bits=8, weight_bits=4, group_size=64, library="llmcompressor", method="gptq"
+    ),  # fmt: skip
 }
 
 
