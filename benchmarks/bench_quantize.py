@@ -14,8 +14,10 @@ column is read from the first eval, and the second eval's original numbers must 
 text and quantizer: a consistency check, recorded as ``original_max_rel_diff``).
 
 Writes ``quantize.json`` and ``quantize.md`` (perplexity, and KL to the float original) into --out;
-docs/ROTATION.md quotes them with the command, date and machine. llm-compressor and llama.cpp quantizers are
-not run here.
+docs/ROTATION.md quotes them with the command, date and machine. ``--scheme w8a8|w4a16|w4a16-gptq|w4a8-gptq``
+runs llm-compressor's quantizers (run this script with the Python of the environment that has the quant
+extra); GPTQ calibrates on the end of pydoc topics (``--calibration-samples`` x ``--calibration-length``
+tokens). llama.cpp's quantizers are not run here.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 import click
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHEMES = ("a8", "a6", "a4", "w4")
+SCHEMES = ("a8", "a6", "a4", "w4")  # --scheme w4a16-gptq etc.: llm-compressor (run with its environment)
 
 
 def license_text_file() -> Path:
@@ -76,9 +78,12 @@ def markdown(results: dict) -> str:
 @click.option("--tokens", default=1024, show_default=True, help="Tokens of LICENSE.txt evaluated.")
 @click.option("--window", default=512, show_default=True, help="Tokens per window.")
 @click.option("--scheme", "schemes", multiple=True, default=SCHEMES, show_default=True, help="Repeatable.")
+@click.option("--calibration-samples", default=32, show_default=True, help="For the llm-compressor schemes.")
+@click.option("--calibration-length", default=256, show_default=True, help="For the llm-compressor schemes.")
+@click.option("--name", default="quantize", show_default=True, help="Result files: NAME.json, NAME.md.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results",
               show_default=True)  # fmt: skip
-def main(model, folded, rotated, tokens, window, schemes, out):
+def main(model, folded, rotated, tokens, window, schemes, calibration_samples, calibration_length, name, out):
     from normswap.bench import report as bench_report
 
     started = time.time()
@@ -91,15 +96,17 @@ def main(model, folded, rotated, tokens, window, schemes, out):
             rotated = Path(tmp) / "rotated"
             seconds["convert rotated"] = _run(["convert", model, "--rotate", "hadamard", "-o", str(rotated)])
         reports = {}
-        for name, directory in (("folded", folded), ("rotated", rotated)):
-            report = Path(tmp) / f"{name}.json"
+        for variant, directory in (("folded", folded), ("rotated", rotated)):
+            report = Path(tmp) / f"{variant}.json"
             args = ["eval", "--model", model, "--converted", str(directory), "--text",
                     str(license_text_file()), "--max-tokens", str(tokens), "--window", str(window),
                     "--report", str(report)]  # fmt: skip
             for scheme in schemes:
                 args += ["--quantize", scheme]
-            seconds[f"eval {name}"] = _run(args)
-            reports[name] = json.loads(report.read_text())
+            args += ["--calibration-samples", str(calibration_samples)]
+            args += ["--calibration-length", str(calibration_length)]
+            seconds[f"eval {variant}"] = _run(args)
+            reports[variant] = json.loads(report.read_text())
     first, second = reports["folded"], reports["rotated"]
     results = {"float": {"original": {"ppl": first["ppl_original"], "kl": 0.0}}}
     results["float"] |= {n: {"ppl": r["ppl_converted"], "kl": r["kl_mean"]} for n, r in reports.items()}
@@ -114,12 +121,13 @@ def main(model, folded, rotated, tokens, window, schemes, out):
             "machine": bench_report.machine_info(), "model": model, "tokens": first["tokens"],
             "windows": first["windows"], "text": "LICENSE.txt", "original_max_rel_diff": rel,
             "seconds": {k: round(v) for k, v in seconds.items()} | {"total": round(time.time() - started)},
+            "calibration": [calibration_samples, calibration_length],
             "descriptions": {s: first["quantized"][s]["description"] for s in schemes},
             "linear_ops": {s: first["quantized"][s]["linear_ops"] for s in schemes}}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    (out / "quantize.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     table = markdown(results)
-    (out / "quantize.md").write_text(f"`{meta['command']}`, {meta['date']}, {meta['machine']}\n\n{table}\n")
+    (out / f"{name}.md").write_text(f"`{meta['command']}`, {meta['date']}, {meta['machine']}\n\n{table}\n")
     click.echo(table)
     click.echo(
         f"original's numbers in the two evals agree to {rel:.2g} (relative); wrote {out / 'quantize.json'}"

@@ -1,10 +1,10 @@
-"""Round-to-nearest fake quantization of a causal LM, to measure what a quantizer does to a converted model.
+"""Quantization schemes for ``normswap eval --quantize``: what a quantizer does to a converted model.
 
 A conversion changes the weights and the activations that a quantizer sees (folding moves each norm's
 scale into its readers' input columns; a rotation spreads the stream's outliers), so the same quantizer
 treats the original and the converted model differently. ``normswap eval --quantize SCHEME`` runs both
-models under one of the schemes here; no quantization library is needed, and everything runs in torch on
-whatever device the model is on.
+models under one of the schemes here. normswap's own schemes need no quantization library and run in
+torch on whatever device the model is on; four more run through llm-compressor when it is installed.
 
 Which ops are quantized comes from the forward itself (a ``TorchFunctionMode``), not from module names or
 types: a **linear op** is an op that multiplies a runtime tensor by one of the model's 2-D parameters along
