@@ -351,3 +351,24 @@ def test_cli_eval_quantize_gptq_end_to_end(tmp_path):
     entry = json.loads(report.read_text())["quantized"]["w4a16-gptq"]
     assert math.isfinite(entry["original"]["ppl"]) and math.isfinite(entry["converted"]["ppl"])
     assert any(line.split()[:1] == ["w4a16-gptq"] for line in result.output.splitlines())
+
+
+@pytest.mark.quant
+@pytest.mark.skipif(not HAVE_LLMC, reason="needs llm-compressor (pip install -e '.[quant]')")
+def test_llmcompressor_quantizes_a_model_loaded_from_gguf(tiny_gguf, input_ids):
+    """A GGUF file loads into float weights, with a config that records GGUF quantization (which oneshot
+    refuses): the copy is quantized from the float weights, the loaded model left as it was."""
+    from normswap.io import load_model
+    from normswap.quantize import llmc
+
+    loaded = load_model(str(tiny_gguf))
+    assert loaded.model.config.quantization_config is not None
+    before = {n: p.clone() for n, p in loaded.model.state_dict().items()}
+    quantized = llmc.quantize_copy(loaded.model, SCHEMES["w4a16"], [input_ids[:1]], loaded.tokenizer)
+    assert llmc.quantized_ops(quantized) > 0
+    with torch.no_grad():
+        a = loaded.model(input_ids=input_ids).logits
+        b = quantized(input_ids=input_ids).logits
+    assert torch.isfinite(b).all() and 0 < (a - b).abs().max().item()
+    for n, p in loaded.model.state_dict().items():
+        assert torch.equal(p, before[n]), n

@@ -6,7 +6,10 @@ channel, or in groups of ``scheme.group_size`` inputs), and for ``w8a8``/``w4a8-
 activations, at every ``Linear`` but the output head (found as ``model.get_output_embeddings()``, ignored
 by its module name). The copy runs its quantization in its forward (compressed-tensors' fake quantization),
 so it is evaluated as it is; the model given is not changed. GPTQ calibrates on ``calibration`` (token
-windows the caller chooses: ``normswap eval`` takes them from a text that is not the evaluation text).
+windows the caller chooses: ``normswap eval`` takes them from a text that is not the evaluation text). A
+model loaded from a quantized file into float weights (a GGUF file) is quantized from those float weights
+(llm-compressor refuses a config that records another quantization format, so the copy's record is
+dropped).
 
 llm-compressor is an optional dependency (``pip install -e '.[quant]'``); it pins its own transformers
 range, so install it in an environment of its own.
@@ -86,8 +89,13 @@ def quantize_copy(model: nn.Module, scheme: Scheme, calibration: list[torch.Tens
     rows = [ids.reshape(-1).tolist() for ids in calibration]
     data = datasets.Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
     with tempfile.TemporaryDirectory() as folder:
-        # oneshot reads the model's config back from config.name_or_path: give it the copy's own
-        quantized.config.save_pretrained(folder)
+        # oneshot reads the model's config back from config.name_or_path: give it the copy's own, without
+        # the record of a quantized source whose weights are float now (a GGUF file, dequantized on load)
+        config = copy.deepcopy(quantized.config)
+        floating = all(p.is_floating_point() for p in quantized.parameters())
+        if floating and hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(folder)
         quantized.config._name_or_path = folder
         try:
             oneshot(
