@@ -346,7 +346,7 @@ def summarize_quantized(records: torch.Tensor) -> dict:
     }
 
 
-def _runners(original, converted, scheme, calibration, tokenizer) -> tuple[list, int | None]:
+def _runners(original, converted, scheme, calibration, tokenizer, quiet) -> tuple[list, int | None]:
     """``([(model, context factory)] for both models, linear ops quantized if a library counted them)``."""
     import contextlib
     import functools
@@ -359,7 +359,9 @@ def _runners(original, converted, scheme, calibration, tokenizer) -> tuple[list,
 
     if not calibration:
         raise NormswapError(f"--quantize {scheme.name} needs calibration text (GPTQ calibrates on it)")
-    copies = [llmc.quantize_copy(m, scheme, calibration, tokenizer) for m in (original, converted)]
+    copies = [
+        llmc.quantize_copy(m, scheme, calibration, tokenizer, quiet=quiet) for m in (original, converted)
+    ]
     return [(m, contextlib.nullcontext) for m in copies], llmc.quantized_ops(copies[0])
 
 
@@ -405,7 +407,7 @@ def evaluate_quantized(
     with exact_float32():
         for scheme in chosen:
             started = time.time()
-            runners, counted = _runners(original, converted, scheme, calibration, tokenizer)
+            runners, counted = _runners(original, converted, scheme, calibration, tokenizer, not show)
             loader = acc.prepare(DataLoader(list(range(len(windows))), batch_size=1))
             bar = tqdm(total=len(windows), desc=f"quantized {scheme.name}", disable=not show)
             gathered, ops = [], set()

@@ -351,6 +351,7 @@ def test_cli_eval_quantize_gptq_end_to_end(tmp_path):
     entry = json.loads(report.read_text())["quantized"]["w4a16-gptq"]
     assert math.isfinite(entry["original"]["ppl"]) and math.isfinite(entry["converted"]["ppl"])
     assert any(line.split()[:1] == ["w4a16-gptq"] for line in result.output.splitlines())
+    assert " | INFO - " not in result.stdout  # llm-compressor's log (it writes to stdout) is silenced
 
 
 @pytest.mark.quant

@@ -17,7 +17,9 @@ range, so install it in an environment of its own.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import tempfile
 
 import torch
@@ -63,7 +65,9 @@ def recipe(scheme: Scheme, ignore: list[str]):
     return modifier(config_groups={"group_0": config}, ignore=ignore)
 
 
-def quantize_copy(model: nn.Module, scheme: Scheme, calibration: list[torch.Tensor], tokenizer) -> nn.Module:
+def quantize_copy(
+    model: nn.Module, scheme: Scheme, calibration: list[torch.Tensor], tokenizer, *, quiet: bool = True
+) -> nn.Module:
     """A deep copy of ``model`` quantized by llm-compressor's ``oneshot`` with ``scheme``.
 
     Args:
@@ -72,6 +76,8 @@ def quantize_copy(model: nn.Module, scheme: Scheme, calibration: list[torch.Tens
         calibration: ``(1, L)`` long tensors of token ids (GPTQ's calibration samples; unused by RTN, which
             needs none).
         tokenizer: the models' tokenizer (``oneshot`` requires a processor with a dataset).
+        quiet: silence llm-compressor's log (which it writes to stdout) and progress bars; else its bars
+            show on stderr and its log stays off stdout all the same (a script reads results there).
 
     Returns:
         the quantized copy, in eval mode; its forward applies the quantization.
@@ -82,6 +88,10 @@ def quantize_copy(model: nn.Module, scheme: Scheme, calibration: list[torch.Tens
     require()
     import datasets
     from llmcompressor import oneshot
+    from loguru import logger
+
+    for library in ("llmcompressor", "compressed_tensors"):
+        logger.disable(library)
 
     head = model.get_output_embeddings()
     ignore = [name for name, module in model.named_modules() if module is head and head is not None]
@@ -98,14 +108,15 @@ def quantize_copy(model: nn.Module, scheme: Scheme, calibration: list[torch.Tens
         config.save_pretrained(folder)
         quantized.config._name_or_path = folder
         try:
-            oneshot(
-                model=quantized,
-                dataset=data,
-                recipe=recipe(scheme, ignore),
-                processor=tokenizer,
-                num_calibration_samples=len(rows),
-                max_seq_length=max(len(r) for r in rows),
-            )
+            with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+                oneshot(
+                    model=quantized,
+                    dataset=data,
+                    recipe=recipe(scheme, ignore),
+                    processor=tokenizer,
+                    num_calibration_samples=len(rows),
+                    max_seq_length=max(len(r) for r in rows),
+                )
         except Exception as error:
             raise NormswapError(f"llm-compressor could not quantize with {scheme.name}: {error}") from error
     return quantized.eval()
