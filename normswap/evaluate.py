@@ -543,7 +543,8 @@ def eval_command(
         if importlib.util.find_spec("llmcompressor") is None:
             from normswap.quantize.llmc import INSTALL
 
-            raise NormswapError(f"--quantize {', '.join(schemes)} needs llm-compressor: {INSTALL}")
+            named = ", ".join(name for name in schemes if SCHEMES[name].library)
+            raise NormswapError(f"--quantize {named} needs llm-compressor: {INSTALL}")
     acc = make_accelerator()
     target = acc.device if device == "auto" else device  # auto: the device accelerate gave this process
     kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, device=target)
@@ -588,7 +589,7 @@ def eval_command(
         schemes = list(dict.fromkeys(schemes))  # each once, in the order given
         calibration = None
         if any(SCHEMES[name].library for name in schemes):
-            eval_chars = 8 * max_tokens if text_file is None and dataset is None else None
+            eval_chars = len(text) if text_file is None and dataset is None else None  # the default text's
             calibration = calibration_windows(
                 tokenizer, calibration_file, calibration_samples, calibration_length, eval_chars=eval_chars
             )

@@ -373,3 +373,23 @@ def test_llmcompressor_quantizes_a_model_loaded_from_gguf(tiny_gguf, input_ids):
     assert torch.isfinite(b).all() and 0 < (a - b).abs().max().item()
     for n, p in loaded.model.state_dict().items():
         assert torch.equal(p, before[n]), n
+
+
+def test_calibration_windows_default_is_not_the_eval_text(tmp_path):
+    from test_check import byte_tokenizer
+
+    from normswap.check.text import default_text
+    from normswap.evaluate import calibration_windows
+
+    tok, full = byte_tokenizer(), default_text()
+    windows = calibration_windows(tok, None, 3, 8, eval_chars=1000)
+    assert [w.shape for w in windows] == [(1, 8)] * 3
+    assert torch.cat(windows, 1)[0].tolist() == tok(full)["input_ids"][-24:]  # the end of pydoc topics
+    with pytest.raises(normswap.NormswapError, match="would overlap the evaluation text; pass --calibration"):
+        calibration_windows(tok, None, 3, 8, eval_chars=len(full))
+    text = tmp_path / "c.txt"
+    text.write_text("calibrate on this text, please")
+    first = calibration_windows(tok, text, 2, 5, eval_chars=None)
+    assert torch.cat(first, 1)[0].tolist() == tok("calibrate on this text, please")["input_ids"][:10]
+    with pytest.raises(normswap.NormswapError, match="fewer than the 4 x 10 asked for"):
+        calibration_windows(tok, text, 4, 10, eval_chars=None)
