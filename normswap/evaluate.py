@@ -21,6 +21,7 @@ import click
 
 from normswap.errors import NormswapError
 from normswap.options import OutputPath, device_option, dtype_option, model_name
+from normswap.quantize import SCHEMES
 
 if TYPE_CHECKING:
     import torch
@@ -255,6 +256,202 @@ def _evaluate(original, converted, windows, accelerator, progress):
     return summarize(torch.cat(gathered)) | {"num_processes": acc.num_processes}
 
 
+def calibration_windows(tokenizer, text_file, samples: int, length: int, *, eval_chars: int | None):
+    """``samples`` windows of ``length`` tokens to calibrate the llm-compressor schemes on.
+
+    From ``text_file`` (its first tokens) or, by default, from the end of Python's pydoc topics (the
+    evaluation's default text is their beginning). ``eval_chars``: how many characters of the default text
+    the evaluation reads (``None`` when it reads another text).
+
+    Returns:
+        list of ``(1, length)`` long tensors.
+
+    Raises:
+        NormswapError: the text is unreadable or too short, or the default calibration text would overlap
+            the default evaluation text.
+    """
+    import torch
+
+    from normswap.check.text import default_text
+
+    needed = samples * length
+    if text_file is not None:
+        text, source = read_text(text_file)
+    else:
+        full = default_text()
+        start = max(0, len(full) - 16 * needed)  # some 16 characters a token at least
+        if eval_chars is not None and start < eval_chars:
+            raise NormswapError(
+                "the default calibration text (the end of pydoc topics) would overlap the evaluation text; "
+                "pass --calibration FILE or fewer --calibration-samples/--calibration-length"
+            )
+        text, source = full[start:], "the end of pydoc_data.topics"
+    ids = tokenizer(text)["input_ids"]
+    if len(ids) < needed:
+        raise NormswapError(
+            f"{source} gives only {len(ids)} tokens, fewer than the {samples} x {length} asked for "
+            f"(pass a longer --calibration text or fewer --calibration-samples)"
+        )
+    ids = ids[len(ids) - needed :] if text_file is None else ids[:needed]
+    return list(torch.tensor([ids], dtype=torch.long).split(length, dim=1))
+
+
+# per-window record of a quantized pass: both quantized models against the float original
+_QFIELDS = ("window", "nll_original", "nll_converted", "kl_original", "kl_converted", "top1_original",
+            "top1_converted", "positions", "targets")  # fmt: skip
+
+
+def quantized_record(original, runners, ids: torch.Tensor, index: int) -> tuple[torch.Tensor, set]:
+    """The float ``original`` and both quantized models on one ``(1, w)`` window -> (float64
+    ``(1, len(_QFIELDS))`` sums, names of the linear ops the first runner's fake quantization saw).
+
+    ``runners``: ``[(model, context), ...]`` for the original and the converted model: each model runs
+    inside ``context()`` (``normswap.quantize.fake.quantized(model, scheme)``, or a null context for a
+    model quantized by a library)."""
+    import torch
+
+    from normswap.check.metrics import logit_metrics, next_token_targets
+
+    def logits(model):
+        with torch.no_grad():
+            out = model(input_ids=ids.to(_device(model)), use_cache=False)
+        return out.logits.reshape(-1, out.logits.shape[-1]).float().cpu()
+
+    reference, targets = logits(original), next_token_targets(ids)
+    metrics, ops = [], set()
+    for model, context in runners:
+        with context() as mode:
+            metrics.append(logit_metrics(reference, logits(model), targets))
+        ops = ops or set(getattr(mode, "ops", ()))
+    o, c = metrics
+    row = (index, o["nll_conv"], c["nll_conv"], o["kl_mean"] * o["rows"], c["kl_mean"] * c["rows"])
+    row += (o["top1"] * o["rows"], c["top1"] * c["rows"], o["rows"], o["n_targets"])
+    return torch.tensor([row], dtype=torch.float64, device="cpu"), ops
+
+
+def summarize_quantized(records: torch.Tensor) -> dict:
+    """Sum gathered quantized records -> ``{"original"|"converted": {"ppl", "kl", "top1_agreement"}}``
+    (``kl``: mean KL(float original || the quantized model) per position, natural log)."""
+    from normswap.check.metrics import perplexity
+
+    records = records[records[:, 0].argsort()]
+    sums = dict(zip(_QFIELDS, records.sum(0).tolist(), strict=True))
+    return {
+        side: {
+            "ppl": perplexity(sums[f"nll_{side}"], sums["targets"]),
+            "kl": sums[f"kl_{side}"] / sums["positions"],
+            "top1_agreement": sums[f"top1_{side}"] / sums["positions"],
+        }
+        for side in ("original", "converted")
+    }
+
+
+def _runners(original, converted, scheme, calibration, tokenizer, quiet) -> tuple[list, int | None]:
+    """``([(model, context factory)] for both models, linear ops quantized if a library counted them)``."""
+    import contextlib
+    import functools
+
+    if scheme.library is None:
+        from normswap.quantize.fake import quantized
+
+        return [(m, functools.partial(quantized, m, scheme)) for m in (original, converted)], None
+    from normswap.quantize import llmc
+
+    if not calibration:
+        raise NormswapError(f"--quantize {scheme.name} needs calibration text (GPTQ calibrates on it)")
+    copies = [
+        llmc.quantize_copy(m, scheme, calibration, tokenizer, quiet=quiet) for m in (original, converted)
+    ]
+    return [(m, contextlib.nullcontext) for m in copies], llmc.quantized_ops(copies[0])
+
+
+def evaluate_quantized(
+    original, converted, windows, schemes, accelerator=None, progress: bool = True, calibration=None,
+    tokenizer=None,
+):  # fmt: skip
+    """Both models fake-quantized by each of ``schemes`` (``normswap.quantize``), against the float original.
+
+    Each scheme is one pass over ``windows`` (sharded over the accelerate processes as in :func:`evaluate`):
+    per window the float ``original`` gives the reference logits, then each model runs under the scheme
+    (activations quantized as they flow, weights through a quantized copy: neither model is changed).
+
+    Args:
+        original, converted: causal LMs sharing a vocabulary.
+        windows: ``(1, w)`` long tensors, the same list on every process.
+        schemes: scheme names (``normswap.quantize.SCHEMES``).
+        calibration, tokenizer: ``(1, L)`` token windows and the tokenizer, for the llm-compressor schemes
+            (``normswap.quantize.llmc``: each model is quantized as a copy, once per scheme).
+        accelerator: an ``accelerate.Accelerator`` (created if ``None``).
+        progress: a tqdm bar per scheme and, when it ends, one line on stderr (main process only).
+
+    Returns:
+        ``{scheme: {"description", "linear_ops", "original": {"ppl", "kl", "top1_agreement"}, "converted":
+        {...}}}`` on every process; ``linear_ops`` counts the linear ops quantized in ``original``.
+
+    Raises:
+        NormswapError: an unknown scheme; an llm-compressor scheme without llm-compressor or calibration.
+    """
+    import time
+
+    import torch
+    from torch.utils.data import DataLoader
+    from tqdm.auto import tqdm
+
+    from normswap.device import exact_float32
+    from normswap.quantize import get_scheme
+
+    acc = accelerator or make_accelerator()
+    chosen = [get_scheme(name) for name in schemes]
+    show = progress and acc.is_main_process
+    results = {}
+    with exact_float32():
+        for scheme in chosen:
+            started = time.time()
+            runners, counted = _runners(original, converted, scheme, calibration, tokenizer, not show)
+            loader = acc.prepare(DataLoader(list(range(len(windows))), batch_size=1))
+            bar = tqdm(total=len(windows), desc=f"quantized {scheme.name}", disable=not show)
+            gathered, ops = [], set()
+            for batch in loader:
+                index = int(batch[0])
+                record, seen = quantized_record(original, runners, windows[index], index)
+                ops |= seen
+                gathered.append(acc.gather_for_metrics(record.to(acc.device)).cpu())
+                bar.update(gathered[-1].shape[0])
+            bar.close()
+            result = summarize_quantized(torch.cat(gathered))
+            del runners  # a library's quantized copies
+            ops = len(ops) if counted is None else counted
+            results[scheme.name] = {"description": scheme.description, "linear_ops": ops, **result}
+            if show:
+                o, c = result["original"], result["converted"]
+                click.echo(
+                    f"quantized {scheme.name} ({scheme.description}; {ops} linear ops): perplexity "
+                    f"original {o['ppl']:.4f}, converted {c['ppl']:.4f} [{time.time() - started:.1f} s]",
+                    err=True,
+                )
+    return results
+
+
+def quantized_table(result: dict) -> str:
+    """The printed table of ``result["quantized"]`` (with the float row from ``result``'s own numbers)."""
+    rows = [("float", result["ppl_original"], 0.0, result["ppl_converted"], result["kl_mean"])]
+    for name, q in result["quantized"].items():
+        rows.append(
+            (name, q["original"]["ppl"], q["original"]["kl"], q["converted"]["ppl"], q["converted"]["kl"])
+        )
+    lines = [f"  {'quantized':<10}{'original ppl':>14}{'KL':>11}{'converted ppl':>16}{'KL':>11}"]
+    for name, po, ko, pc, kc in rows:
+        lines.append(f"  {name:<10}{_fmt(po, '.4f'):>14}{ko:>11.4g}{_fmt(pc, '.4f'):>16}{kc:>11.4g}")
+    lines.append(
+        "  (both models fake-quantized the same way; KL: mean KL(float original || model) per token)"
+    )
+    return "\n".join(lines)
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 @click.command("eval")
 @click.option("--model", "model_source", required=True, callback=model_name,
               help="The original MODEL (as for convert).")  # fmt: skip
@@ -288,6 +485,19 @@ def _evaluate(original, converted, windows, accelerator, progress):
 @click.option("--tasks", help="Comma-separated lm-eval tasks (e.g. arc_easy,hellaswag): run them paired "
               "instead of the perplexity evaluation (needs lm-eval: `pip install -e '.[eval]'` in normswap's "
               "checkout).")  # fmt: skip
+@click.option("--quantize", "schemes", multiple=True, type=click.Choice(list(SCHEMES)), metavar="SCHEME",
+              help="Also evaluate both models quantized the same way (repeatable): a8, a6, a4 (per-token "
+              "activations at every linear op's input), w4 (weights per output channel), round-to-nearest in "
+              "torch; w8a8, w4a16, w4a16-gptq, w4a8-gptq through llm-compressor (`pip install -e "
+              "'.[quant]'`); lm_head left out; perplexity and KL to the float original, side by "
+              "side.")  # fmt: skip
+@click.option("--calibration", "calibration_file", type=click.Path(exists=True, dir_okay=False),
+              help="UTF-8 text the GPTQ schemes calibrate on [default: the end of pydoc topics, not the "
+              "evaluation text].")  # fmt: skip
+@click.option("--calibration-samples", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Calibration windows for the llm-compressor schemes.")  # fmt: skip
+@click.option("--calibration-length", type=click.IntRange(min=2), default=256, show_default=True,
+              help="Tokens per calibration window.")  # fmt: skip
 @click.option("--include-path", type=click.Path(file_okay=False), help="Folder of extra lm-eval task YAMLs.")
 @click.option("--limit", type=click.IntRange(min=1), help="At most N documents per task (with --tasks).")
 @click.option("--num-fewshot", type=click.IntRange(min=0), help="Few-shot examples (with --tasks).")
@@ -295,10 +505,14 @@ def _evaluate(original, converted, windows, accelerator, progress):
               help="lm-eval requests per forward pass (with --tasks).")  # fmt: skip
 def eval_command(
     model_source, converted, text_file, dataset, dataset_config, split, column, max_tokens, window, dtype,
-    device_map, device, report, trust_remote_code, tasks, include_path, limit, num_fewshot, batch_size,
+    device_map, device, report, trust_remote_code, tasks, schemes, calibration_file, calibration_samples,
+    calibration_length, include_path, limit, num_fewshot, batch_size,
 ):  # fmt: skip
     """Perplexity, KL and top-1 agreement of --converted vs --model on the same windows of real text;
     with --tasks, lm-evaluation-harness tasks on both models, compared item by item.
+
+    --quantize SCHEME (repeatable) also runs both models fake-quantized by SCHEME and prints, per scheme,
+    each one's perplexity and KL to the float original: how well each quantizes (normswap.quantize).
 
     Runs unchanged under `accelerate launch --multi_gpu --num_processes K -m normswap eval ...` (on a
     CPU-only machine too: the K processes then form a CPU group): windows (or lm-eval's documents) are
@@ -317,10 +531,20 @@ def eval_command(
 
         if text_file is not None or dataset is not None:
             raise NormswapError("--text/--dataset choose the perplexity evaluation's text; not with --tasks")
+        if schemes:
+            raise NormswapError("--quantize applies to the perplexity evaluation; run it without --tasks")
         tasks = [name.strip() for name in tasks.split(",") if name.strip()]
         manager = lmeval.load_tasks(tasks, include_path)
     elif include_path is not None or limit is not None or num_fewshot is not None:
         raise NormswapError("--include-path, --limit and --num-fewshot apply to --tasks only")
+    if any(SCHEMES[name].library for name in schemes):
+        import importlib.util
+
+        if importlib.util.find_spec("llmcompressor") is None:
+            from normswap.quantize.llmc import INSTALL
+
+            named = ", ".join(name for name in schemes if SCHEMES[name].library)
+            raise NormswapError(f"--quantize {named} needs llm-compressor: {INSTALL}")
     acc = make_accelerator()
     target = acc.device if device == "auto" else device  # auto: the device accelerate gave this process
     kw = dict(dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, device=target)
@@ -361,6 +585,17 @@ def eval_command(
     largest = max(int(w.max()) for w in windows)
     check_vocabulary(largest, both, f"the tokenizer of {model_source} on {source}")
     result = evaluate(original, conv, windows, acc, progress=sys.stderr.isatty())
+    if schemes:
+        schemes = list(dict.fromkeys(schemes))  # each once, in the order given
+        calibration = None
+        if any(SCHEMES[name].library for name in schemes):
+            eval_chars = len(text) if text_file is None and dataset is None else None  # the default text's
+            calibration = calibration_windows(
+                tokenizer, calibration_file, calibration_samples, calibration_length, eval_chars=eval_chars
+            )
+        result["quantized"] = evaluate_quantized(
+            original, conv, windows, schemes, acc, sys.stderr.isatty(), calibration, tokenizer
+        )
     if acc.is_main_process:
         result = {
             "model": model_source, "converted": converted, "text": source, "window": window, "dtype": dtype,
@@ -376,4 +611,6 @@ def eval_command(
             f"  KL mean {result['kl_mean']:.4g}  top-1 agreement {result['top1_agreement']:.4%}  "
             f"max abs logit diff {result['max_abs_logit_diff']:.3g}"
         )
+        if schemes:
+            click.echo(quantized_table(result))
     acc.end_training()

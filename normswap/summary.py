@@ -15,6 +15,22 @@ def _fmt(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+# measured with `normswap eval --quantize` by benchmarks/bench_quantize.py (docs/ROTATION.md, "Quantizing")
+QUANTIZE_EXAMPLE = "SmolLM2-135M, 4-bit weights per channel: perplexity 23.0 original, 67.3 folded"
+
+
+def quantize_line(report: dict, output: Path | None) -> str | None:
+    """After a conversion that folded norms but did not rotate: one line saying that folded weights quantize
+    worse than the original's (a measured example), pointing at --rotate and ``eval --quantize``."""
+    if not report.get("norms_folded") or report.get("rotation"):
+        return None
+    command = f"normswap eval --model {report.get('model')} --converted {output or 'OUT'} --quantize w4"
+    return (
+        f"quantize: folded weights quantize worse than the original's ({QUANTIZE_EXAMPLE}); --rotate "
+        f"hadamard spreads activation outliers; measure yours: {command} --quantize a6"
+    )
+
+
 def contract_lines(check: dict, report: dict) -> list[str]:
     """The ``contract:`` lines of ``check`` (the report's): per returned output (runs grouped), same or
     changed by design and why."""
@@ -96,6 +112,9 @@ def summary(report: dict, output: Path | None, report_path: Path | None) -> str:
         lines.append(f"copied:   {copied} (other files of the input){skipped}")
     if check_input.get("note"):
         lines.append(f"note:     {check_input['note']}")
+    quantize = quantize_line(report, output)
+    if quantize:
+        lines.append(quantize)
     if output is not None:
         lines.append(f"saved:    {output}")
     verify = report.get("verify")
