@@ -16,7 +16,9 @@ def _fmt(value, spec: str) -> str:
 
 
 # measured with `normswap eval --quantize` by benchmarks/bench_quantize.py (docs/ROTATION.md, "Quantizing")
-QUANTIZE_EXAMPLE = "SmolLM2-135M, 4-bit weights per channel: perplexity 23.0 original, 67.3 folded"
+QUANTIZE_EXAMPLE = (
+    "SmolLM2-135M, 4-bit weights per channel, Python's LICENSE.txt: perplexity 23.0 original, 67.3 folded"
+)
 
 
 def quantize_line(report: dict, output: Path | None) -> str | None:

@@ -288,7 +288,16 @@ def test_ctrl_c_exits_130_and_says_what_state_the_output_is_in(where, says, tiny
     assert not list(tmp_path.glob(".out*"))  # nor is a hidden build folder or the lock left behind
 
 
-def test_ctrl_c_that_a_library_turns_into_another_error(tiny_gguf, tmp_path, monkeypatch):
+@pytest.fixture
+def python_sigint():
+    """SIGINT handled as Python's own handler does while the test runs: a suite started in the background
+    (``cmd &`` in a non-interactive shell, ``nohup``) inherits SIGINT ignored, which the CLI rightly keeps."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_that_a_library_turns_into_another_error(tiny_gguf, tmp_path, monkeypatch, python_sigint):
     """Measured: SIGINT while transformers imports a model module became "Could not import module
     'LlamaConfig'" (its lazy importer turns what it catches into that error), exit 2. The CLI asks whether
     SIGINT arrived, not which exception came out."""
@@ -330,7 +339,7 @@ def test_ctrl_c_in_the_handler_still_exits_130(tiny_gguf, tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_ctrl_c_while_the_cli_imports(sig, monkeypatch, capsys):
+def test_ctrl_c_while_the_cli_imports(sig, monkeypatch, capsys, python_sigint):
     """The signal arrives while ``normswap.__main__`` imports the CLI: one line (no empty one before it off a
     terminal), exit 130 (143)."""
     from normswap import __main__ as entry
