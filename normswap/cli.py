@@ -18,11 +18,9 @@ from pathlib import Path
 import click
 
 from normswap import progress, stop
-from normswap.config import cli_wording
+from normswap.config import NORM_CHOICES, ROTATE_KINDS, cli_wording
 from normswap.errors import NormswapError
-from normswap.options import OutputPath, device_option, model_name, size_option
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+from normswap.options import DTYPE_CHOICES, OutputPath, device_option, model_name, size_option
 
 
 class _Interrupted(BaseException):
@@ -235,7 +233,7 @@ def _load_options(f=None, *, dtype_help="Precision the model is loaded, converte
     )(f)
     f = click.option(
         "--dtype",
-        type=click.Choice(DTYPES),
+        type=click.Choice(DTYPE_CHOICES),
         default="auto",
         show_default=True,
         help=dtype_help + " auto: the checkpoint's own (float32 for a GGUF file).",
@@ -284,7 +282,7 @@ def main() -> None:
 @click.option("--report", type=OutputPath(), help="Write the conversion report as JSON here.")
 @click.option(
     "--norm",
-    type=click.Choice(["keep", "rmsnorm"]),
+    type=click.Choice(NORM_CHOICES),
     default="keep",
     show_default=True,
     help="keep: each norm keeps its kind; rmsnorm: turn LayerNorms into RMSNorms where exact.",
@@ -319,7 +317,7 @@ def main() -> None:
 )
 @click.option(
     "--rotate",
-    type=click.Choice(["hadamard", "random"]),
+    type=click.Choice(ROTATE_KINDS),
     default=None,
     help="After folding, rotate the residual stream by an orthogonal Q: a randomized Hadamard matrix (a "
     "random orthogonal one where no construction reaches the hidden size) or a random orthogonal one. Hidden "

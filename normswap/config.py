@@ -7,7 +7,7 @@ refused here, in one place, before anything is loaded.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 from normswap.errors import NormswapError
 from normswap.options import DTYPE_CHOICES, parse_size
@@ -140,16 +140,6 @@ class ConvertOptions:
         if unknown:
             raise OptionError(f"unknown option {unknown[0]!r}; the options are {', '.join(sorted(known))}")
         return cls(**options)
-
-    @property
-    def budget(self) -> int | None:
-        """``max_memory`` in bytes (None: not given)."""
-        if self.max_memory is None or isinstance(self.max_memory, int):
-            return self.max_memory
-        return parse_size(self.max_memory)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _choice(name: str, value, choices: tuple[str, ...]) -> None:
