@@ -28,7 +28,7 @@ from normswap.zoo import example_ids, model_outputs, tiny_model
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TOL = 1e-5  # float32 max abs logit difference (see the module docstring)
-MEAN_TOL = 1e-5  # |mean| / RMS of every norm input row after conversion (measured <= 1.3e-7)
+MEAN_TOL = 1e-5  # |mean| / RMS of a norm input row after conversion (measured <= 1.5e-7)
 
 ARCHITECTURES = [
     ("gpt2", {}),
