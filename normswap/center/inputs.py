@@ -117,15 +117,6 @@ def original_embeds(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor |
     return embedding(input_ids.to(next(embedding.parameters()).device)).cpu()
 
 
-def save(folder: str | os.PathLike, transform: dict[str, Any]) -> Path:
-    """Write ``transform`` as ``folder/centering.json`` (strict JSON); returns the path."""
-    from normswap.files import to_json
-
-    path = Path(folder) / FILE
-    path.write_text(to_json(transform))
-    return path
-
-
 def load(folder: str | os.PathLike) -> dict[str, Any]:
     """Read ``centering.json`` of a converted model's directory.
 

@@ -327,10 +327,6 @@ class CheckpointReader:
             raw = raw.to(dtype)
         return raw.to(device)
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
-
 
 def _code(dtype: torch.dtype) -> str:
     if dtype not in DTYPE_CODES:

@@ -100,13 +100,6 @@ def _some(paths: list[Path], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def listed_files(out: Path) -> dict[str, int] | None:
-    """``{file name: size}`` that the ``normswap.json`` of ``out`` lists as written by normswap, or ``None``
-    when there is no such manifest (missing, not JSON, no ``output`` marker)."""
-    listed = _listed(out)
-    return None if listed is None else listed[0]
-
-
 def _listed(out: Path) -> tuple[dict[str, int], dict[str, str] | None] | None:
     """``({name: size}, {name: sha256} or None)`` of the ``output`` marker of ``out``'s manifest; ``None``
     without one (or a malformed one). The digests are ``None`` in an output written before they were
