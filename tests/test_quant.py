@@ -428,6 +428,33 @@ def test_gptq_solves_on_one_thread_on_the_cpu_with_the_same_numbers(rotated_pair
     assert any(not torch.equal(a[n], rotated.state_dict()[n]) for n in a if n in rotated.state_dict())
 
 
+@pytest.mark.quant
+@pytest.mark.skipif(not HAVE_LLMC, reason="needs llm-compressor (pip install -e '.[quant]')")
+def test_gptq_calibrates_in_the_order_given(tiny_model):
+    """The calibration windows reach the model in the order given, whatever torch's global generator
+    (oneshot's default sampler shuffles by it): the Hessians then sum in one order, and the original
+    quantized in two evals gets the same weights. Seen by a hook on the embedding (deep-copied with it)."""
+    from test_check import byte_tokenizer
+
+    from normswap.quantize import llmc
+
+    model = tiny_model("llama", vocab_size=128)
+    gen = torch.Generator().manual_seed(3)
+    calibration = [torch.randint(0, 128, (1, 24), generator=gen) for _ in range(8)]
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].tolist()))
+    copies = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        seen.clear()
+        copies.append(llmc.quantize_copy(model, SCHEMES["w4a16-gptq"], calibration, byte_tokenizer()))
+        given = [ids.tolist() for ids in calibration]  # in each pass (calibrating, then propagating)
+        assert seen and len(seen) % len(given) == 0 and seen == given * (len(seen) // len(given))
+    a, b = (c.state_dict() for c in copies)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 def test_calibration_windows_default_is_not_the_eval_text(tmp_path):
     from test_check import byte_tokenizer
 

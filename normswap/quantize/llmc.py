@@ -99,8 +99,8 @@ def quantize_copy(
     Args:
         model: a causal LM (``nn.Module`` with ``config`` and ``get_output_embeddings``).
         scheme: a :class:`Scheme` with ``library == "llmcompressor"``.
-        calibration: ``(1, L)`` long tensors of token ids (GPTQ's calibration samples; unused by RTN, which
-            needs none).
+        calibration: ``(1, L)`` long tensors of token ids (GPTQ's calibration samples, taken in this order:
+            a model quantized twice gets the same weights; unused by RTN, which needs none).
         tokenizer: the models' tokenizer (``oneshot`` requires a processor with a dataset).
         quiet: silence llm-compressor's log (which it writes to stdout) and progress bars; else its bars
             show on stderr and its log stays off stdout all the same (a script reads results there).
@@ -142,6 +142,10 @@ def quantize_copy(
                     processor=tokenizer,
                     num_calibration_samples=len(rows),
                     max_seq_length=max(len(r) for r in rows),
+                    # in the order given: shuffled (oneshot's default, by torch's global generator), the
+                    # Hessians' float sums change from run to run, and GPTQ's roundings with them (the
+                    # same model quantized twice gave perplexity 21.5 and 21.8)
+                    shuffle_calibration_samples=False,
                 )
         except Exception as error:
             raise NormswapError(f"llm-compressor could not quantize with {scheme.name}: {error}") from error
