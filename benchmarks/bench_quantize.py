@@ -27,6 +27,11 @@ the original, when it is a short name or a GGUF file, is first saved as a float 
 same text, ``--window`` tokens a chunk, ``--tokens`` tokens in all: perplexity (llama.cpp's: the second half
 of each chunk) and KL to the float32 original's GGUF (``--kl-divergence``). Written to NAME_llamacpp.json and
 .md; ``--llama-cpp-only`` skips the evals. Without ``--llama-cpp`` that part is skipped with one line.
+A tree to build (CPU only), e.g. the one vendored in llama-cpp-python's source distribution::
+
+    pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
+    cd llama_cpp_python-*/vendor/llama.cpp && cmake -B build -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_SERVER=OFF && cmake --build build -j2 --target llama-quantize llama-perplexity
 """
 
 from __future__ import annotations
