@@ -17,13 +17,28 @@ Writes ``quantize.json`` and ``quantize.md`` (perplexity, and KL to the float or
 docs/ROTATION.md quotes them with the command, date and machine. ``--scheme w8a8|w4a16|w4a16-gptq|w4a8-gptq``
 runs llm-compressor's quantizers (run this script with the Python of the environment that has the quant
 extra); GPTQ calibrates on the end of pydoc topics (``--calibration-samples`` x ``--calibration-length``
-tokens). llama.cpp's quantizers are not run here.
+tokens).
+
+``--llama-cpp DIR`` (a llama.cpp source tree whose ``build/bin`` holds ``llama-quantize`` and
+``llama-perplexity``) adds llama.cpp's quantizers: each of the three models is written as a float32 GGUF
+file by the tree's ``convert_hf_to_gguf.py`` (run with ``--gguf-python``: a Python with ``sentencepiece``;
+the original, when it is a short name or a GGUF file, is first saved as a float checkpoint), quantized by
+``llama-quantize`` to each ``--gguf-type`` (Q4_K_M, Q4_0, IQ4_NL), and scored by ``llama-perplexity`` on the
+same text, ``--window`` tokens a chunk, ``--tokens`` tokens in all: perplexity (llama.cpp's: the second half
+of each chunk) and KL to the float32 original's GGUF (``--kl-divergence``). Written to NAME_llamacpp.json and
+.md; ``--llama-cpp-only`` skips the evals. Without ``--llama-cpp`` that part is skipped with one line.
+A tree to build (CPU only), e.g. the one vendored in llama-cpp-python's source distribution::
+
+    pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
+    cd llama_cpp_python-*/vendor/llama.cpp && cmake -B build -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_SERVER=OFF && cmake --build build -j2 --target llama-quantize llama-perplexity
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -54,15 +69,85 @@ def _run(args: list[str]) -> float:
     return time.time() - started
 
 
-def markdown(results: dict) -> str:
+GGUF_TYPES = ("Q4_K_M", "Q4_0", "IQ4_NL")
+
+
+def _tool(args: list, what: str) -> str:
+    """Run a llama.cpp tool (or its converter); its stdout and stderr together."""
+    click.echo("$ " + " ".join(str(a) for a in args), err=True)
+    done = subprocess.run([str(a) for a in args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise click.ClickException(f"{what} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done.stdout + done.stderr
+
+
+def float_checkpoint(model: str, folder: Path) -> Path:
+    """``model`` as a folder convert_hf_to_gguf.py reads: itself when it is one, else (a short name, a GGUF
+    file: weights dequantized on load) the loaded model saved in float32 into ``folder``."""
+    if Path(model, "config.json").is_file():
+        return Path(model)
+    from safetensors.torch import save_file
+
+    from normswap.io.load import load_model
+
+    loaded = load_model(model)
+    net, config = loaded.model, loaded.model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the GGUF record: the weights are float now
+    config.architectures = [type(net).__name__]
+    folder.mkdir(parents=True)
+    config.save_pretrained(folder)
+    state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
+    head = net.get_output_embeddings()
+    if head is not None and head.weight is net.get_input_embeddings().weight:  # tied: saved once
+        state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    loaded.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def llama_cpp_rows(tree: Path, python: str, models: dict, types, text: Path, tokens: int, window: int,
+                   work: Path) -> dict:  # fmt: skip
+    """``{type: {model: {"ppl", "kl"}}}``: each model's float32 GGUF and its llama-quantize outputs, scored by
+    llama-perplexity against the float32 original's logits (``--kl-divergence-base``)."""
+    bins = tree / "build" / "bin"
+    threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    chunks = ["-c", str(window), "--chunks", str(max(1, tokens // window)), "-t", threads]
+    files = {}
+    for name, folder in models.items():
+        files[name] = {"F32": work / f"{name}-f32.gguf"}
+        _tool([python, tree / "convert_hf_to_gguf.py", folder, "--outtype", "f32", "--outfile",
+               files[name]["F32"]], f"convert_hf_to_gguf.py {folder}")  # fmt: skip
+        for kind in types:
+            files[name][kind] = work / f"{name}-{kind}.gguf"
+            _tool([bins / "llama-quantize", files[name]["F32"], files[name][kind], kind, threads],
+                  f"llama-quantize {name} {kind}")  # fmt: skip
+    base = work / "original-f32.kld"
+    _tool([bins / "llama-perplexity", "-m", files["original"]["F32"], "-f", text, *chunks,
+           "--kl-divergence-base", base], "llama-perplexity (the float32 original's logits)")  # fmt: skip
+    rows = {}
+    for kind in ("F32", *types):
+        rows[kind] = {}
+        for name in models:
+            out = _tool([bins / "llama-perplexity", "-m", files[name][kind], *chunks, "--kl-divergence-base",
+                         base, "--kl-divergence"], f"llama-perplexity {name} {kind}")  # fmt: skip
+            ppl = re.search(r"Mean PPL\(Q\)\s*:\s*([0-9.eE+-]+)", out)
+            kl = re.search(r"Mean\s+KLD:\s*([0-9.eE+-]+)", out)
+            if not ppl or not kl:
+                raise click.ClickException(f"no perplexity/KLD in llama-perplexity's output:\n{out[-3000:]}")
+            rows[kind][name] = {"ppl": float(ppl.group(1)), "kl": float(kl.group(1))}
+    return rows
+
+
+def markdown(results: dict, unquantized: str = "float") -> str:
     cols = ("original", "folded", "rotated")
     lines = ["| perplexity (KL to the float original) | " + " | ".join(cols) + " |", "|---|---:|---:|---:|"]
     for scheme, row in results.items():
         cells = []
         best = min(row[c]["ppl"] for c in cols)
         for c in cols:
-            cell = f"{row[c]['ppl']:.2f}" + ("" if scheme == "float" else f" ({row[c]['kl']:.3g})")
-            cells.append(f"**{cell}**" if row[c]["ppl"] == best and scheme != "float" else cell)
+            cell = f"{row[c]['ppl']:.2f}" + ("" if scheme == unquantized else f" ({row[c]['kl']:.3g})")
+            cells.append(f"**{cell}**" if row[c]["ppl"] == best and scheme != unquantized else cell)
         lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -83,9 +168,20 @@ def markdown(results: dict) -> str:
 @click.option("--name", default="quantize", show_default=True, help="Result files: NAME.json, NAME.md.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results",
               show_default=True)  # fmt: skip
-def main(model, folded, rotated, tokens, window, schemes, calibration_samples, calibration_length, name, out):
+@click.option("--llama-cpp", "llama_cpp", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="A llama.cpp source tree with build/bin/llama-quantize and llama-perplexity built: adds "
+              "llama.cpp's quantizers.")  # fmt: skip
+@click.option("--gguf-python", default=sys.executable, show_default=True,
+              help="The Python that runs convert_hf_to_gguf.py (it needs sentencepiece).")  # fmt: skip
+@click.option("--gguf-type", "gguf_types", multiple=True, default=GGUF_TYPES, show_default=True,
+              help="llama-quantize types (repeatable).")  # fmt: skip
+@click.option("--llama-cpp-only", is_flag=True, help="Only the llama.cpp part (no normswap eval).")
+def main(model, folded, rotated, tokens, window, schemes, calibration_samples, calibration_length, name, out,
+         llama_cpp, gguf_python, gguf_types, llama_cpp_only):  # fmt: skip
     from normswap.bench import report as bench_report
 
+    if llama_cpp_only and llama_cpp is None:
+        raise click.UsageError("--llama-cpp-only needs --llama-cpp DIR")
     started = time.time()
     seconds = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,6 +191,30 @@ def main(model, folded, rotated, tokens, window, schemes, calibration_samples, c
         if rotated is None:
             rotated = Path(tmp) / "rotated"
             seconds["convert rotated"] = _run(["convert", model, "--rotate", "hadamard", "-o", str(rotated)])
+        if llama_cpp is None:
+            click.echo("llama.cpp: skipped (give --llama-cpp DIR, a llama.cpp tree built, to add its rows)")
+        else:
+            began = time.time()
+            work = Path(tmp) / "gguf"
+            work.mkdir()
+            models = {"original": float_checkpoint(model, Path(tmp) / "original"), "folded": folded,
+                      "rotated": rotated}  # fmt: skip
+            rows = llama_cpp_rows(llama_cpp, gguf_python, models, gguf_types, license_text_file(), tokens,
+                                  window, work)  # fmt: skip
+            meta = {"command": "python benchmarks/bench_quantize.py " + " ".join(sys.argv[1:]),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "machine": bench_report.machine_info(), "model": model, "text": "LICENSE.txt",
+                    "tokens": tokens, "window": window, "types": list(gguf_types),
+                    "seconds": round(time.time() - began)}  # fmt: skip
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{name}_llamacpp.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+            table = markdown(rows, unquantized="F32")
+            (out / f"{name}_llamacpp.md").write_text(
+                f"`{meta['command']}`, {meta['date']}, {meta['machine']}\n\n{table}\n"
+            )
+            click.echo(table)
+            if llama_cpp_only:
+                return
         reports = {}
         for variant, directory in (("folded", folded), ("rotated", rotated)):
             report = Path(tmp) / f"{variant}.json"

@@ -335,21 +335,35 @@ def test_llmcompressor_quantizes_copies_of_the_rotated_and_original(rotated_pair
 
 @pytest.mark.quant
 @pytest.mark.skipif(not HAVE_LLMC, reason="needs llm-compressor (pip install -e '.[quant]')")
-def test_cli_eval_quantize_gptq_end_to_end(tmp_path):
+def test_cli_eval_gptq_of_a_rotated_output(tmp_path):
+    """A saved ``normswap convert --rotate hadamard`` output, loaded by ``eval`` and quantized by GPTQ through
+    llm-compressor's ``oneshot`` beside the original: both finite, the rotated one close to the original's."""
     from normswap.check.text import default_text
     from normswap.cli import main
 
-    orig, conv = save_pair(tmp_path, "llama")
+    orig, _ = save_pair(tmp_path, "llama")
+    rotated = tmp_path / "rotated"
+    done = CliRunner().invoke(main, ["convert", str(orig), "--rotate", "hadamard", "-o", str(rotated)])
+    assert done.exit_code == 0, done.output
+    assert (rotated / "normswap" / "rotation.safetensors").is_file()
     text = tmp_path / "calibration.txt"
     text.write_text(default_text()[-4000:])
     report = tmp_path / "r.json"
-    args = ["eval", "--model", str(orig), "--converted", str(conv), "--max-tokens", "96", "--window", "48",
+    args = ["eval", "--model", str(orig), "--converted", str(rotated), "--max-tokens", "96", "--window", "48",
             "--quantize", "w4a16-gptq", "--calibration", str(text), "--calibration-samples", "4",
             "--calibration-length", "64", "--report", str(report)]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    entry = json.loads(report.read_text())["quantized"]["w4a16-gptq"]
-    assert math.isfinite(entry["original"]["ppl"]) and math.isfinite(entry["converted"]["ppl"])
+    got = json.loads(report.read_text())
+    entry = got["quantized"]["w4a16-gptq"]
+    assert entry["linear_ops"] == 14  # 2 layers x 7 Linear, lm_head left out
+    o, c = entry["original"], entry["converted"]
+    # the float rotated model computes the original's function (float32 rounding only); 4-bit weights of
+    # this tiny random model (vocabulary 260: perplexity near 260) move its perplexity by well under 5%
+    assert got["ppl_converted"] == pytest.approx(got["ppl_original"], rel=1e-4)
+    assert math.isfinite(o["ppl"]) and math.isfinite(c["ppl"]) and o["kl"] > 0 and c["kl"] > 0
+    assert o["ppl"] == pytest.approx(got["ppl_original"], rel=0.05)
+    assert c["ppl"] == pytest.approx(o["ppl"], rel=0.05)
     assert any(line.split()[:1] == ["w4a16-gptq"] for line in result.output.splitlines())
     assert " | INFO - " not in result.stdout  # llm-compressor's log (it writes to stdout) is silenced
 
@@ -373,6 +387,72 @@ def test_llmcompressor_quantizes_a_model_loaded_from_gguf(tiny_gguf, input_ids):
     assert torch.isfinite(b).all() and 0 < (a - b).abs().max().item()
     for n, p in loaded.model.state_dict().items():
         assert torch.equal(p, before[n]), n
+
+
+@pytest.mark.quant
+@pytest.mark.skipif(not HAVE_LLMC, reason="needs llm-compressor (pip install -e '.[quant]')")
+def test_gptq_solves_on_one_thread_on_the_cpu_with_the_same_numbers(rotated_pair, input_ids, monkeypatch):
+    """GPTQ's column loop runs with one torch thread on a CPU (the calibration forwards keep theirs), the
+    thread count is restored after, and the weights are those of llm-compressor's own GPTQModifier."""
+    import contextlib
+
+    from llmcompressor.modifiers.gptq import base
+    from test_check import byte_tokenizer
+
+    from normswap.quantize import llmc
+
+    _, rotated = rotated_pair
+    solve, seen = base.quantize_weight, []
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(base, "quantize_weight", spy)
+    calibration, tok, scheme = [input_ids[:1], input_ids[1:]], byte_tokenizer(), SCHEMES["w4a16-gptq"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ours = llmc.quantize_copy(rotated, scheme, calibration, tok)
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+        seen.clear()
+        monkeypatch.setattr(llmc, "one_thread", contextlib.nullcontext)  # llm-compressor's threads
+        theirs = llmc.quantize_copy(rotated, scheme, calibration, tok)
+        assert seen and set(seen) == {2}
+    finally:
+        torch.set_num_threads(threads)
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert any(not torch.equal(a[n], rotated.state_dict()[n]) for n in a if n in rotated.state_dict())
+
+
+@pytest.mark.quant
+@pytest.mark.skipif(not HAVE_LLMC, reason="needs llm-compressor (pip install -e '.[quant]')")
+def test_gptq_calibrates_in_the_order_given(tiny_model):
+    """The calibration windows reach the model in the order given, whatever torch's global generator
+    (oneshot's default sampler shuffles by it): the Hessians then sum in one order, and the original
+    quantized in two evals gets the same weights. Seen by a hook on the embedding (deep-copied with it)."""
+    from test_check import byte_tokenizer
+
+    from normswap.quantize import llmc
+
+    model = tiny_model("llama", vocab_size=128)
+    gen = torch.Generator().manual_seed(3)
+    calibration = [torch.randint(0, 128, (1, 24), generator=gen) for _ in range(8)]
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].tolist()))
+    copies = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        seen.clear()
+        copies.append(llmc.quantize_copy(model, SCHEMES["w4a16-gptq"], calibration, byte_tokenizer()))
+        given = [ids.tolist() for ids in calibration]  # in each pass (calibrating, then propagating)
+        assert seen and len(seen) % len(given) == 0 and seen == given * (len(seen) // len(given))
+    a, b = (c.state_dict() for c in copies)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
 
 
 def test_calibration_windows_default_is_not_the_eval_text(tmp_path):

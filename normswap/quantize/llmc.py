@@ -11,6 +11,10 @@ model loaded from a quantized file into float weights (a GGUF file) is quantized
 (llm-compressor refuses a config that records another quantization format, so the copy's record is
 dropped).
 
+On a CPU, GPTQ's solve (per weight column, a few operations on small tensors) runs on one torch thread:
+more threads only wait on each other there, and on a busy machine each operation waits for a time slice
+(about 10x slower on 2 shared cores, docs/ROTATION.md); the calibration forwards keep torch's threads.
+
 llm-compressor is an optional dependency (``pip install -e '.[quant]'``); it pins its own transformers
 range, so install it in an environment of its own.
 """
@@ -61,8 +65,30 @@ def recipe(scheme: Scheme, ignore: list[str]):
             num_bits=scheme.activation_bits, type="int", symmetric=True, strategy="token", dynamic=True
         )
     config = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
-    modifier = GPTQModifier if scheme.method == "gptq" else QuantizationModifier
-    return modifier(config_groups={"group_0": config}, ignore=ignore)
+    if scheme.method != "gptq":
+        return QuantizationModifier(config_groups={"group_0": config}, ignore=ignore)
+
+    class CpuGPTQModifier(GPTQModifier):
+        """GPTQ whose solve runs on one torch thread when the weights are on the CPU (its column loop is many
+        small operations, whose threads only wait on each other there); the same numbers."""
+
+        def compress_modules(self):
+            on_cpu = all(m.weight.device.type == "cpu" for m in self._num_samples)
+            with one_thread() if on_cpu else contextlib.nullcontext():
+                return super().compress_modules()
+
+    return CpuGPTQModifier(config_groups={"group_0": config}, ignore=ignore)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch's intra-op threads set to one inside, restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def quantize_copy(
@@ -73,8 +99,8 @@ def quantize_copy(
     Args:
         model: a causal LM (``nn.Module`` with ``config`` and ``get_output_embeddings``).
         scheme: a :class:`Scheme` with ``library == "llmcompressor"``.
-        calibration: ``(1, L)`` long tensors of token ids (GPTQ's calibration samples; unused by RTN, which
-            needs none).
+        calibration: ``(1, L)`` long tensors of token ids (GPTQ's calibration samples, taken in this order:
+            a model quantized twice gets the same weights; unused by RTN, which needs none).
         tokenizer: the models' tokenizer (``oneshot`` requires a processor with a dataset).
         quiet: silence llm-compressor's log (which it writes to stdout) and progress bars; else its bars
             show on stderr and its log stays off stdout all the same (a script reads results there).
@@ -116,6 +142,10 @@ def quantize_copy(
                     processor=tokenizer,
                     num_calibration_samples=len(rows),
                     max_seq_length=max(len(r) for r in rows),
+                    # in the order given: shuffled (oneshot's default, by torch's global generator), the
+                    # Hessians' float sums change from run to run, and GPTQ's roundings with them (the
+                    # same model quantized twice gave perplexity 21.5 and 21.8)
+                    shuffle_calibration_samples=False,
                 )
         except Exception as error:
             raise NormswapError(f"llm-compressor could not quantize with {scheme.name}: {error}") from error
