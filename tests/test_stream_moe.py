@@ -35,7 +35,7 @@ from normswap.io.shards import INDEX, CheckpointReader
 _SLOW = pytest.mark.slow
 # (model type, extra options): Mixtral (renamed block_sparse_moe, w1/w3/w2) plain, Qwen3-MoE rotated in the
 # default run; the other layouts, the other option and bfloat16 marked slow.
-ROWS = [("mixtral", ()), ("qwen3_moe", ("--rotate", "hadamard"))] + [
+ROWS = [("mixtral", ()), ("qwen3_moe", ("--rotate", "hadamard")), ("qwen3_next", ())] + [
     pytest.param(name, extra, marks=_SLOW)
     for name, extra in (
         ("qwen3_moe", ()),
@@ -43,6 +43,7 @@ ROWS = [("mixtral", ()), ("qwen3_moe", ("--rotate", "hadamard"))] + [
         ("qwen2_moe", ()),
         ("deepseek_v3", ()),
         ("mixtral", ("--rotate", "hadamard")),
+        ("qwen3_next", ("--rotate", "hadamard")),
     )
 ]
 
@@ -81,10 +82,41 @@ def test_moe_streams_in_its_own_layout(name, extra, tokenizer, tmp_path):  # noq
     assert (before - after).abs().max().item() <= 1e-5
 
 
+def test_weight_read_outside_its_module_is_read_on_demand(tokenizer, tmp_path):  # noqa: F811
+    """Qwen3-Next's linear attention passes ``conv1d.weight`` to its convolution function without calling
+    the ``Conv1d``: the streamed forward reads it as it is used and releases it when the reading module
+    returns; the logits equal the in-memory model's, bit for bit (same weights, same ops)."""
+    from normswap.stream.model import build, is_released
+
+    model = make_tiny_model("qwen3_next")
+    src = save_sharded(model, tokenizer, tmp_path / "src")
+    streamed = build(model.config, CheckpointReader(src), torch.float32)
+    conv = [m for n, m in streamed.model.named_modules() if n.endswith("linear_attn.conv1d")]
+    assert conv and all(is_released(m.weight) for m in conv)
+    released = [p for p in streamed.model.parameters() if is_released(p)]
+    fetched = []
+    fetch = streamed.fetch
+    streamed.fetch = lambda p: (fetched.append(p), fetch(p))
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = streamed.model(ids).logits
+        assert torch.equal(logits, model(ids).logits)
+    assert {id(p) for p in fetched} == {id(m.weight) for m in conv}  # only what no module hook read
+    assert all(is_released(p) for p in released)
+    resident = sum(t.nbytes for t in [*streamed.model.parameters(), *streamed.model.buffers()]
+                   if not is_released(t))  # fmt: skip
+    assert streamed.held == resident and streamed.running == [] and streamed.loose == []
+    assert streamed.peak >= resident + conv[0].weight.nbytes
+
+
 @_SLOW
-@pytest.mark.parametrize("extra", [(), ("--rotate", "hadamard")], ids=["plain", "rotated"])
-def test_moe_bfloat16_streams(extra, tokenizer, tmp_path):  # noqa: F811
-    src = save_sharded(make_tiny_model("qwen3_moe").to(torch.bfloat16), tokenizer, tmp_path / "src")
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [("qwen3_moe", ()), ("qwen3_moe", ("--rotate", "hadamard")), ("qwen3_next", ("--rotate", "hadamard"))],
+    ids=["plain", "rotated", "qwen3_next-rotated"],
+)
+def test_moe_bfloat16_streams(name, extra, tokenizer, tmp_path):  # noqa: F811
+    src = save_sharded(make_tiny_model(name).to(torch.bfloat16), tokenizer, tmp_path / "src")
     memory, streamed = convert_both(src, tmp_path, "--dtype", "bfloat16", *extra)
     assert_same_checkpoint(memory, streamed)
     assert _placement(streamed) == _placement(src)

@@ -18,9 +18,12 @@ mapping: per-expert tensors stacked into ``experts.gate_up_proj``) is released t
 assembled as it is read, by transformers' own converter on the tensors read from the shards
 (``stream.assemble``), and the bytes held count its assembled size.
 
-A parameter read outside the forward of a module that holds it would find no bytes; every transformers
-model streamed so far reads its weights only inside their modules (the tests compare plans and logits with
-the in-memory path on several architectures).
+A parameter read outside the forward of the module that holds it (Qwen3-Next's linear attention passes
+``self.conv1d.weight`` to its convolution function, never calling the ``Conv1d``) is read from the checkpoint
+as it is used: ``StreamedParameter.__torch_function__`` sees every torch function that takes it, and one that
+reads its values (anything but its metadata: shape, dtype, device, hashing) reads it first. It is released
+again when the forward of the innermost module running at that moment returns (every module's forward is
+hooked to know which that is), so such a read holds it no longer than the module that read it runs.
 """
 
 from __future__ import annotations
@@ -30,10 +33,18 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from normswap.errors import NormswapError
 from normswap.io.shards import CheckpointReader
 from normswap.stream.assemble import Group, groups
+from normswap.walk import METADATA_OPS, func_name
+
+# torch functions that read a tensor's metadata, never its values: no read from the checkpoint for them (the
+# walk's list, and the ``data`` property, read and set by the hooks themselves)
+_NO_VALUES = frozenset(METADATA_OPS) | {"data", "requires_grad_", "is_inference", "is_nested", "_is_view",
+                                         "is_shared", "is_pinned", "output_nr", "_version", "_base",
+                                         "__reduce_ex__", "__getstate__", "__setstate__"}  # fmt: skip
 
 
 def placeholder(shape, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -60,6 +71,8 @@ class StreamedParameter(nn.Parameter):
         stream_ops: transforms applied, in order, to the values as read (``Streamed.transform``: the
             centering of a writer's weight, ...); each maps a tensor to a new one of the same shape, dtype
             and device.
+        stream_owner: the ``Streamed`` model that reads it when a torch function needs its values while it is
+            released (``__torch_function__``); None for a resident one.
 
     ``copy.deepcopy`` (the probe copies candidate modules, the fold plan reads consumer weights) returns a
     plain Parameter holding the current values, read from disk and transformed when released, as a deep
@@ -72,6 +85,20 @@ class StreamedParameter(nn.Parameter):
         data = values(self) if is_released(self) else self.data.clone()
         memo[id(self)] = result = nn.Parameter(data, requires_grad=self.requires_grad)
         return result
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """As ``nn.Parameter``'s (the function runs on plain tensors, and returns them), after reading every
+        released argument whose values ``func`` needs (``Streamed.fetch``): a weight read outside its
+        module's forward."""
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if func_name(func) not in _NO_VALUES:
+                for a in tree_flatten((args, kwargs))[0]:
+                    owner = getattr(a, "stream_owner", None) if isinstance(a, StreamedParameter) else None
+                    if owner is not None and is_released(a):
+                        owner.fetch(a)
+            return func(*args, **kwargs)
 
 
 def read_source(
@@ -102,7 +129,7 @@ def stand_in(
     the parameter ``key`` that ``group`` assembles."""
     p = StreamedParameter(placeholder(shape, dtype, device), requires_grad=False)
     p.stream_key, p.stream_reader, p.stream_ops, p.stream_dtype = key, reader, list(ops), dtype
-    p.stream_group = group
+    p.stream_group, p.stream_owner = group, None
     return p
 
 
@@ -113,7 +140,7 @@ def resident(
     norm scale, a bias."""
     p = StreamedParameter(data, requires_grad=False)
     p.stream_key, p.stream_reader, p.stream_ops, p.stream_dtype = key, reader, [], data.dtype
-    p.stream_group = group
+    p.stream_group, p.stream_owner = group, None
     return p
 
 
@@ -135,6 +162,9 @@ class Streamed:
         saved_name: a model tensor name -> the name ``save_pretrained`` writes it under.
         groups: model parameter name -> the ``assemble.Group`` that makes it from several checkpoint tensors
             (and writes it back as them); ``pieces``: each of those checkpoint tensors -> its group.
+        running: the modules whose forward is running, innermost last, each with the parameters read while
+            it ran outside their own module's forward (``fetch``), released when it returns; ``loose``: those
+            read while no forward ran, released when the next forward returns.
     """
 
     model: nn.Module
@@ -148,11 +178,55 @@ class Streamed:
     saved_name: Callable[[str], str] = staticmethod(lambda name: name)
     groups: dict[str, Group] = field(default_factory=dict)
     pieces: dict[str, Group] = field(default_factory=dict)
+    running: list[tuple[nn.Module, list]] = field(default_factory=list)
+    loose: list = field(default_factory=list)
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for p in self.loose:
+            self._drop(p)
+        self.loose.clear()
+        for p in self.own_parameters():
+            p.stream_owner = None  # no reads on demand once the hooks that release them are gone
+
+    def own_parameters(self) -> list[StreamedParameter]:
+        """The released stand-ins of this model (those ``fetch`` may read)."""
+        return [p for p in self.model.parameters() if getattr(p, "stream_owner", None) is self]
+
+    def fetch(self, p: StreamedParameter) -> None:
+        """Read a released ``p`` that a torch function needs outside its module's forward; it is released
+        when the innermost module running returns (or the next forward, when none runs)."""
+        p.data = values(p)
+        self.held += _nbytes(p)
+        self.peak = max(self.peak, self.held)
+        (self.running[-1][1] if self.running else self.loose).append(p)
+
+    def enter(self, module: nn.Module) -> None:
+        """A module's forward starts (its forward pre-hook)."""
+        self.running.append((module, []))
+
+    def leave(self, module: nn.Module) -> None:
+        """A module's forward returned or raised (its forward hook): the parameters read while it ran, and
+        while the forwards it left unfinished ran, are released."""
+        if not any(m is module for m, _ in self.running):
+            return
+        while self.running:
+            m, fetched = self.running.pop()
+            for p in fetched:
+                self._drop(p)
+            if m is module:
+                break
+        if not self.running:
+            for p in self.loose:
+                self._drop(p)
+            self.loose.clear()
+
+    def _drop(self, p: torch.Tensor) -> None:
+        if not is_released(p):
+            self.held -= _nbytes(p)
+            p.untyped_storage().resize_(0)
 
     def load(self, module: nn.Module, attrs) -> None:
         """Read the released parameters ``attrs`` of ``module`` (its forward pre-hook)."""
@@ -167,9 +241,7 @@ class Streamed:
         """Release the parameters ``attrs`` of ``module`` again (its forward hook)."""
         for attr in attrs:
             p = module._parameters[attr]
-            if not is_released(p):
-                self.held -= _nbytes(p)
-                p.untyped_storage().resize_(0)  # frees the bytes even where the trace keeps a view
+            self._drop(p)  # frees the bytes even where the trace keeps a view
 
     def copy(self, name: str, old: nn.Parameter) -> nn.Parameter:
         """A new Parameter for ``name`` with ``old``'s values: the ``copy`` that
@@ -182,6 +254,7 @@ class Streamed:
             p = resident(old.detach().clone(), key, self.reader, group)
         else:
             p = stand_in(old.shape, old.stream_dtype, old.device, key, self.reader, old.stream_ops, group)
+            p.stream_owner = self if self.handles else None
         p.requires_grad_(old.requires_grad)
         return p
 
@@ -384,6 +457,13 @@ def build(
                 lambda m, args, attrs=attrs: streamed.load(m, attrs)))  # fmt: skip
             streamed.handles.append(module.register_forward_hook(
                 lambda m, args, out, attrs=attrs: streamed.release(m, attrs)))  # fmt: skip
+    for module in model.modules():  # which forward runs, for the weights read outside their module's
+        streamed.handles.append(module.register_forward_pre_hook(lambda m, args: streamed.enter(m)))
+        streamed.handles.append(module.register_forward_hook(lambda m, args, out: streamed.leave(m),
+                                                             always_call=True))  # fmt: skip
+    for p in {id(p): p for p in replaced.values()}.values():
+        if is_released(p):
+            p.stream_owner = streamed
     resident_tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if not is_released(t)}
     streamed.held = streamed.peak = sum(_nbytes(t) for t in resident_tensors.values())
     return streamed
