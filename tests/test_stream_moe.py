@@ -7,7 +7,9 @@ and converted twice through the CLI, in memory and streamed (``--max-memory 4KB`
 references are independent of the streamed path:
 
 * the in-memory output (itself checked against the original by the CLI's logits check): the streamed output
-  holds the same tensors, bit for bit, with the same sites;
+  holds the same tensors, bit for bit, with the same sites (each norm's consumers as the parameters and axes
+  they read: the streamed experts forward is transformers' eager one, one ``linear`` per expert, where the
+  in-memory one may be ``grouped_mm``);
 * the input: the streamed output has exactly its tensor names, each in the shard file it came from;
 * the original model: a fresh plain ``transformers`` load of the streamed output gives its logits within
   1e-5 (float32; the fold rounds each weight once, about 1e-7 relative, and a rotation's float32 forward
@@ -48,6 +50,11 @@ ROWS = [("mixtral", ()), ("qwen3_moe", ("--rotate", "hadamard")), ("qwen3_next",
 ]
 
 
+def _consumer(record: dict) -> tuple:
+    """What a consumer record says the fold does: which parameter, along which axis, with which bias."""
+    return record["module"], record["param"], record["axis"], record["bias"]
+
+
 def _placement(folder) -> dict[str, str]:
     reader = CheckpointReader(folder)
     return {name: info.file for name, info in reader.tensors.items()}
@@ -69,7 +76,7 @@ def test_moe_streams_in_its_own_layout(name, extra, tokenizer, tmp_path):  # noq
             layers.setdefault(n.split(".experts.")[0], set()).add(file)
     assert any(len(files) > 1 for files in layers.values())  # some parameter is assembled across shards
     memory, streamed = convert_both(src, tmp_path, *extra)
-    assert_same_checkpoint(memory, streamed)
+    assert_same_checkpoint(memory, streamed, consumers=_consumer)
     assert _placement(streamed) == placement  # the input's names, each in its own shard
     index = json.loads((streamed / INDEX).read_text())
     assert set(index["weight_map"]) == set(placement)
@@ -109,6 +116,43 @@ def test_weight_read_outside_its_module_is_read_on_demand(tokenizer, tmp_path): 
     assert streamed.peak >= resident + conv[0].weight.nbytes
 
 
+def test_experts_are_read_one_at_a_time(tokenizer, tmp_path, monkeypatch):  # noqa: F811
+    """A streamed conversion never assembles a whole stack of experts (``Group.assemble`` on real tensors):
+    the forwards take one expert's rows (the eager experts forward), the fold plan's overflow test and the
+    write read them row by row; the output equals the in-memory one, bit for bit."""
+    from normswap.stream import model as stream_model
+    from normswap.stream.assemble import Group
+
+    whole = []
+    assemble = Group.assemble
+
+    def watched(self, read):
+        def spy(key):
+            t = read(key)
+            if t.device.type != "meta" and t.dtype != torch.float64:  # not the checks of meta/probe tensors
+                whole.append(key)
+            return t
+
+        return assemble(self, spy)
+
+    monkeypatch.setattr(Group, "assemble", watched)
+    by_rows = stream_model._by_rows
+
+    def rows_of_all(reader, key, *args):
+        whole.append(key)
+        return by_rows(reader, key, *args)
+
+    monkeypatch.setattr(stream_model, "_by_rows", rows_of_all)  # a whole parameter made row by row
+    src = save_sharded(make_tiny_model("mixtral"), tokenizer, tmp_path / "src", "100KB")
+    memory, streamed = convert_both(src, tmp_path)
+    assert whole == []
+    assert_same_checkpoint(memory, streamed, consumers=_consumer)
+    report = json.loads((streamed / "normswap.json").read_text())
+    config = json.loads((src / "config.json").read_text())
+    stack = config["num_local_experts"] * 2 * config["intermediate_size"] * config["hidden_size"] * 4
+    assert 0 < report["streamed"]["peak_weight_bytes"] < stack  # never a whole gate_up_proj
+
+
 @_SLOW
 @pytest.mark.parametrize(
     ("name", "extra"),
@@ -118,7 +162,7 @@ def test_weight_read_outside_its_module_is_read_on_demand(tokenizer, tmp_path): 
 def test_moe_bfloat16_streams(name, extra, tokenizer, tmp_path):  # noqa: F811
     src = save_sharded(make_tiny_model(name).to(torch.bfloat16), tokenizer, tmp_path / "src")
     memory, streamed = convert_both(src, tmp_path, "--dtype", "bfloat16", *extra)
-    assert_same_checkpoint(memory, streamed)
+    assert_same_checkpoint(memory, streamed, consumers=_consumer)
     assert _placement(streamed) == _placement(src)
 
 

@@ -86,12 +86,38 @@ class StreamedParameter(nn.Parameter):
         memo[id(self)] = result = nn.Parameter(data, requires_grad=self.requires_grad)
         return result
 
+    def by_rows(self) -> bool:
+        """Whether it is read one row (expert) at a time: released, assembled by a slot-wise group
+        (``assemble.Group.slotwise``) with no transforms, and of a streamed model (its module's forward
+        leaves it released; ``self[i]`` reads row ``i``, any other read the whole)."""
+        group = getattr(self, "stream_group", None)
+        owner = getattr(self, "stream_owner", None)
+        with torch._C.DisableTorchFunctionSubclass():
+            return owner is not None and group is not None and group.slotwise and not self.stream_ops and (
+                is_released(self))  # fmt: skip
+
+    def rows(self):
+        """Its rows along the first axis, each ``(1, *rest)`` in its dtype, read one at a time when it is
+        released (``by_rows``), else views (``normswap.fold.input_peaks`` reduces a stack of experts so)."""
+        if not self.by_rows():
+            with torch._C.DisableTorchFunctionSubclass():
+                yield from self.detach().split(1)
+            return
+        for i in range(self.shape[0]):
+            yield self.stream_owner.row(self, i).unsqueeze(0)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         """As ``nn.Parameter``'s (the function runs on plain tensors, and returns them), after reading every
         released argument whose values ``func`` needs (``Streamed.fetch``): a weight read outside its
-        module's forward."""
+        module's forward. ``p[i]`` of a parameter read by rows (``by_rows``: an expert's weights, as the
+        eager experts forward takes them) reads row ``i`` only."""
         kwargs = kwargs or {}
+        if func is torch.Tensor.__getitem__ and not kwargs and len(args) == 2:
+            p, index = args
+            if isinstance(p, StreamedParameter) and p.by_rows() and _row_index(index) is not None:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return p.stream_owner.row(p, _row_index(index))
         with torch._C.DisableTorchFunctionSubclass():
             if func_name(func) not in _NO_VALUES:
                 for a in tree_flatten((args, kwargs))[0]:
@@ -101,6 +127,20 @@ class StreamedParameter(nn.Parameter):
             return func(*args, **kwargs)
 
 
+def _row_index(index) -> int | None:
+    """``index`` as one row of the first axis (an int, or an integer tensor of one element), or None."""
+    if isinstance(index, int) and not isinstance(index, bool):
+        return index
+    if (
+        isinstance(index, torch.Tensor)
+        and index.numel() == 1
+        and index.ndim == 0
+        and not index.is_floating_point()
+    ):
+        return int(index)
+    return None
+
+
 def read_source(
     reader: CheckpointReader, key: str, group: Group | None, dtype: torch.dtype, device
 ) -> torch.Tensor:
@@ -108,7 +148,27 @@ def read_source(
     parameter ``key`` that the group assembles from its checkpoint tensors, each read so."""
     if group is None:
         return reader.read(key, dtype, device)
+    if group.slotwise:
+        return _by_rows(reader, key, group, dtype, device, dtype)
     return group.assemble(lambda name: reader.read(name, dtype, device))[key]
+
+
+def read_row(reader: CheckpointReader, key: str, group: Group, dtype: torch.dtype, device, i: int):
+    """Row ``i`` (first axis: one expert) of the parameter ``key`` of a slot-wise ``group``, made from that
+    row's checkpoint tensors only (``assemble.Group.assemble_slot``), in ``dtype`` on ``device``."""
+    return group.assemble_slot(lambda name: reader.read(name, dtype, device), i)[key][0]
+
+
+def _by_rows(reader, key, group, dtype, device, out_dtype) -> torch.Tensor:
+    """The whole parameter, made row by row into one tensor of ``out_dtype`` (each row cast as it is made):
+    the whole tensor and one row held, not every checkpoint tensor beside the stacks the converter makes."""
+    first = read_row(reader, key, group, dtype, device, 0)
+    out = torch.empty((group.slots, *first.shape), dtype=out_dtype, device=device)
+    out[0] = first
+    del first
+    for i in range(1, group.slots):
+        out[i] = read_row(reader, key, group, dtype, device, i)
+    return out
 
 
 def values(p: StreamedParameter) -> torch.Tensor:
@@ -116,7 +176,10 @@ def values(p: StreamedParameter) -> torch.Tensor:
     assembled, ``p.stream_group``) in the dtype the model was built in (``p.stream_dtype``), ``p.stream_ops``
     applied, then cast to ``p.dtype`` where that differs (``normswap.check.upcast`` holds a half-precision
     model in float32: exact, as in memory)."""
-    t = read_source(p.stream_reader, p.stream_key, p.stream_group, p.stream_dtype, p.device)
+    group = p.stream_group
+    if group is not None and group.slotwise and not p.stream_ops:  # each row cast as it is made
+        return _by_rows(p.stream_reader, p.stream_key, group, p.stream_dtype, p.device, p.dtype)
+    t = read_source(p.stream_reader, p.stream_key, group, p.stream_dtype, p.device)
     for op in p.stream_ops:
         t = op(t)
     return t if t.dtype == p.dtype or not t.is_floating_point() else t.to(p.dtype)
@@ -232,10 +295,21 @@ class Streamed:
         """Read the released parameters ``attrs`` of ``module`` (its forward pre-hook)."""
         for attr in attrs:
             p = module._parameters[attr]
-            if isinstance(p, StreamedParameter) and is_released(p):
+            if isinstance(p, StreamedParameter) and is_released(p) and not p.by_rows():
                 p.data = values(p)
                 self.held += _nbytes(p)
         self.peak = max(self.peak, self.held)
+
+    def row(self, p: StreamedParameter, i: int) -> torch.Tensor:
+        """Row ``i`` of a parameter read by rows (``StreamedParameter.by_rows``), in ``p.dtype``; the
+        caller holds it (it counts in ``peak`` while it is made)."""
+        i = i + p.shape[0] if i < 0 else i
+        if not 0 <= i < p.shape[0]:
+            raise IndexError(f"index {i} is out of bounds for dimension 0 with size {p.shape[0]}")
+        t = read_row(self.reader, p.stream_key, p.stream_group, p.stream_dtype, p.device, i)
+        t = t if t.dtype == p.dtype else t.to(p.dtype)
+        self.peak = max(self.peak, self.held + _nbytes(t))
+        return t
 
     def release(self, module: nn.Module, attrs) -> None:
         """Release the parameters ``attrs`` of ``module`` again (its forward hook)."""
@@ -334,6 +408,22 @@ def checkpoint_names(
         return name
 
     return loaded, saved_name, made
+
+
+def eager_experts(model: nn.Module) -> None:
+    """Run the experts modules with transformers' eager implementation (``set_experts_implementation``),
+    which takes one expert's weights at a time (``experts.gate_up_proj[i]``), so a parameter read by rows
+    (``StreamedParameter.by_rows``) is never held whole; its default (``grouped_mm``) reads whole stacks.
+    The same function: the experts' outputs are summed in another order, which moves the float32 logits by
+    a few ulps (the check and the verification compare two streamed models, both eager). A model without
+    the setting keeps its forward (whole reads, still correct)."""
+    setter = getattr(model, "set_experts_implementation", None)
+    if setter is None:
+        return
+    try:
+        setter("eager")
+    except (ValueError, RuntimeError, ImportError):
+        return
 
 
 def resident_parameters(model: nn.Module) -> set[int]:
@@ -464,6 +554,8 @@ def build(
     for p in {id(p): p for p in replaced.values()}.values():
         if is_released(p):
             p.stream_owner = streamed
+    if any(group.slotwise for group in made):
+        eager_experts(model)
     resident_tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if not is_released(t)}
     streamed.held = streamed.peak = sum(_nbytes(t) for t in resident_tensors.values())
     return streamed
