@@ -153,6 +153,25 @@ def test_experts_are_read_one_at_a_time(tokenizer, tmp_path, monkeypatch):  # no
     assert 0 < report["streamed"]["peak_weight_bytes"] < stack  # never a whole gate_up_proj
 
 
+def test_rows_the_walk_keeps_hold_no_bytes(tokenizer, tmp_path):  # noqa: F811
+    """The walk keeps every tensor derived from a parameter it follows (an expert's row) until it ends; a
+    row read during a forward has its storage freed when the module that read it returns, so the walk's
+    sites are the in-memory eager walk's and no row's bytes outlive its experts module."""
+    from normswap.stream.model import build
+    from normswap.walk import walk
+
+    model = make_tiny_model("mixtral")
+    src = save_sharded(model, tokenizer, tmp_path / "src")
+    streamed = build(model.config, CheckpointReader(src), torch.float32)
+    rows = []
+    row = streamed.row
+    streamed.row = lambda p, i: rows.append(row(p, i)) or rows[-1]
+    traced = walk(streamed.model)
+    assert rows and all(t.untyped_storage().nbytes() == 0 for t in rows)
+    model.set_experts_implementation("eager")
+    assert [s.to_dict() for s in traced.sites] == [s.to_dict() for s in walk(model).sites]
+
+
 @_SLOW
 @pytest.mark.parametrize(
     ("name", "extra"),

@@ -28,6 +28,7 @@ hooked to know which that is), so such a read holds it no longer than the module
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -278,7 +279,12 @@ class Streamed:
         while self.running:
             m, fetched = self.running.pop()
             for p in fetched:
-                self._drop(p)
+                if isinstance(p, weakref.ref):  # a row read for this forward (``row``), still referenced
+                    row = p()
+                    if row is not None:
+                        row.untyped_storage().resize_(0)
+                else:
+                    self._drop(p)
             if m is module:
                 break
         if not self.running:
@@ -302,13 +308,17 @@ class Streamed:
 
     def row(self, p: StreamedParameter, i: int) -> torch.Tensor:
         """Row ``i`` of a parameter read by rows (``StreamedParameter.by_rows``), in ``p.dtype``; the
-        caller holds it (it counts in ``peak`` while it is made)."""
+        caller holds it (it counts in ``peak`` while it is made). Read during a forward, its storage is
+        freed when the innermost module running returns, as a released weight's (a trace may keep the
+        tensor: the walk keeps every view of a parameter it follows)."""
         i = i + p.shape[0] if i < 0 else i
         if not 0 <= i < p.shape[0]:
             raise IndexError(f"index {i} is out of bounds for dimension 0 with size {p.shape[0]}")
         t = read_row(self.reader, p.stream_key, p.stream_group, p.stream_dtype, p.device, i)
         t = t if t.dtype == p.dtype else t.to(p.dtype)
         self.peak = max(self.peak, self.held + _nbytes(t))
+        if self.running:  # a trace that keeps it (the walk's) keeps no bytes once the reading module returns
+            self.running[-1][1].append(weakref.ref(t))
         return t
 
     def release(self, module: nn.Module, attrs) -> None:
