@@ -50,7 +50,15 @@ def _layout(folder: Path) -> dict[str, tuple[str, str]]:
 @click.option("--work", type=click.Path(path_type=Path), default=Path("/tmp/normswap-bench-moe"))
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results")
 @click.option("--keep-input", is_flag=True, help="Keep the checkpoint (WORK/in) for another run.")
-def main(preset, work, out, keep_input):
+@click.option("--extra", default="", help="More `normswap convert` options, space-separated (--force).")
+@click.option(
+    "--floor-from",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
+    help="Take the floor from an earlier run's stream_moe-*.json instead of measuring it again.",
+)
+@click.option("--name", default=None, help="Name of the result files (default: stream_moe-PRESET).")
+def main(preset, work, out, keep_input, extra, floor_from, name):
     """Convert a Mixtral-shaped checkpoint with the plain command; peak RSS and time next to the floor."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     work.mkdir(parents=True, exist_ok=True)
@@ -63,11 +71,14 @@ def main(preset, work, out, keep_input):
         made_s = time.perf_counter() - start
     runs = work / "runs"
     shutil.rmtree(runs, ignore_errors=True)
-    name = f"stream_moe-{preset}"
+    name = name or f"stream_moe-{preset}"
+    floor_options = ["--no-floor"] if floor_from else ["--streamed-floor"]
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_convert.py"), str(source), "--runs", "1",
-                    "--name", name, "--streamed-floor", "--keep", "--work", str(runs), "--out", str(out)],
-                   check=True, env=env)  # fmt: skip
+                    "--name", name, *floor_options, "--keep", "--work", str(runs), "--out", str(out),
+                    "--extra", extra], check=True, env=env)  # fmt: skip
     result = json.loads((out / f"convert-{name}.json").read_text())
+    if floor_from:
+        result["floor"] = json.loads(floor_from.read_text())["floor"]
     (out / f"convert-{name}.json").unlink()
     (out / f"convert-{name}.md").unlink()
     run = result["runs"][0]
@@ -84,6 +95,8 @@ def main(preset, work, out, keep_input):
     floor = result["floor"]
     data = {
         "preset": preset,
+        "extra": extra,
+        "floor_from": str(floor_from) if floor_from else None,
         "date": time.strftime("%Y-%m-%d"),
         "size_bytes": size,
         "make_s": made_s,
@@ -101,7 +114,7 @@ def main(preset, work, out, keep_input):
     (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
     f = floor["forwards_s"]
     lines = [
-        f"`normswap convert` (no option) on {source} ({preset}, {size / 1e9:.1f} GB bfloat16), "
+        f"`normswap convert {extra or '(no option)'}` on {source} ({preset}, {size / 1e9:.1f} GB bfloat16), "
         f"{data['date']}, load average {run['load_average']}",
         "",
         f"peak RSS {run['peak_rss_gib']:.2f} GiB, wall {run['wall_s']:.0f} s, floor {floor['total_s']:.0f} s "

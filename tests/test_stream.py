@@ -589,6 +589,31 @@ def test_shard_writer_reads_back_with_safetensors(tmp_path):
         ShardWriter(tmp_path / "y.safetensors", [("a", torch.float32, (2,))]).write("b", torch.zeros(2))
 
 
+def test_shard_writer_out_of_order_writes_the_same_bytes(tmp_path):
+    """``put`` writes a tensor at its offset (an expert's tensors written together); ``write`` skips what
+    was put; the file is byte-identical to one written in order, and every tensor must be written."""
+    tensors_in = {name: torch.randn(4, 3 + i) for i, name in enumerate("abcde")}
+    layout = [(n, t.dtype, tuple(t.shape)) for n, t in tensors_in.items()]
+    in_order = ShardWriter(tmp_path / "in_order.safetensors", layout)
+    for name, t in tensors_in.items():
+        in_order.write(name, t)
+    in_order.close()
+    mixed = ShardWriter(tmp_path / "mixed.safetensors", layout)
+    mixed.put("d", tensors_in["d"])
+    mixed.write("a", tensors_in["a"])
+    mixed.put("c", tensors_in["c"])
+    mixed.write("b", tensors_in["b"])
+    with pytest.raises(ValueError):
+        mixed.put("c", tensors_in["c"])  # once
+    mixed.write("e", tensors_in["e"])  # c and d were put: e comes next
+    mixed.close()
+    assert (tmp_path / "mixed.safetensors").read_bytes() == (tmp_path / "in_order.safetensors").read_bytes()
+    short = ShardWriter(tmp_path / "short.safetensors", layout)
+    short.put("e", tensors_in["e"])
+    with pytest.raises(ValueError, match="4 tensors not written"):
+        short.close()
+
+
 @pytest.mark.slow  # CI time; the tiny models' tests cover the same kinds
 @pytest.mark.real
 def test_smollm2_safetensors_streamed_equals_in_memory(tmp_path):

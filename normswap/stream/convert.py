@@ -290,8 +290,10 @@ def write_shards(
     ``gate_proj``) is split from that parameter, made whole (``make_pieces``); the pieces are held until each
     of them in ``files`` is written (safetensors orders a shard's tensors by name, so two groups of a layer
     interleave), then released. A group made by rows (``plan.by_rows``: a stack of experts folded along its
-    input axis) is made one expert at a time (``make_row_pieces``), so the write holds one expert's
-    tensors of each group, not the layer's experts."""
+    input axis) is made one expert at a time (``make_row_pieces``), and that expert's tensors of the same
+    shard are written at once, each at its offset (``ShardWriter.put``; the file's order is the input's), so
+    the write holds one expert's tensors, not the layer's experts (a copy of those that go into a later
+    shard)."""
     shards = layout(reader, plans)
     wanted: dict[int, set[str]] = {}  # id(group) -> its pieces still to be written by this call
     for file in files:
@@ -300,6 +302,7 @@ def write_shards(
                 wanted.setdefault(id(plans[name].piece_of), set()).add(name)
     pieces: dict = {}  # id(group) (or (id(group), row)) -> its output tensors not yet written
     rowwise: dict[int, dict[str, int]] = {}  # id(group) -> its checkpoint tensor -> row, when made by rows
+    shard_names = {file: {name for name, _, _ in shards[file]} for file in files}
     for tp in plans.values():
         group = tp.piece_of
         if group is not None and id(group) not in rowwise and by_rows(plans, group):
@@ -308,16 +311,29 @@ def write_shards(
         writer = ShardWriter(folder / file, shards[file])
         try:
             for name, _, _ in shards[file]:
+                if writer.written(name):  # with its expert's other tensors (below)
+                    continue
                 group = plans[name].piece_of
                 if group is None:
                     tensor = make_tensor(reader, plans, name, device)
-                elif id(group) in rowwise:  # one expert's tensors at a time
+                elif id(group) in rowwise:  # one expert's tensors at a time, written at once where they go
                     i = rowwise[id(group)][name]
                     if (id(group), i) not in pieces:
                         made = make_row_pieces(reader, plans, group, i, device)
-                        pieces[(id(group), i)] = {k: t for k, t in made.items() if k in wanted[id(group)]}
-                        del made
+                        for key in [k for k in made if k != name and k in shard_names[file]]:
+                            piece = made.pop(key)
+                            if written is not None:
+                                written[key] = fingerprint(piece)
+                            writer.put(key, piece)
+                            wanted[id(group)].discard(key)
+                            del piece
+                        later = {
+                            k: t.clone() for k, t in made.items() if k != name and k in wanted[id(group)]
+                        }
+                        pieces[(id(group), i)] = {name: made.pop(name), **later}  # another shard's: copied
+                        del made  # (a view would hold the whole row)
                     tensor = pieces[(id(group), i)].pop(name).contiguous()
+                    wanted[id(group)].discard(name)
                     if not pieces[(id(group), i)]:
                         del pieces[(id(group), i)]
                 else:
