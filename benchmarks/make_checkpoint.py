@@ -165,14 +165,12 @@ def _nbytes(config, dtype: torch.dtype) -> int:
     return total
 
 
-def _tensor(index: int, shape, module_class: str, name: str, *, seed: int, gemma: bool, dtype: torch.dtype,
-            router: tuple[tuple[int, ...], float] | None = None):  # fmt: skip
+def _tensor(index: int, shape, module_class: str, name: str, *, seed: int, gemma: bool, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
     if "norm" in module_class.lower() and len(shape) == 1:
         base = 0.0 if (gemma or name.endswith("bias")) else 1.0
         return (base + torch.rand(shape, generator=gen) - 0.5).to(dtype)
-    std = router[1] if router is not None and tuple(shape) == router[0] else 0.02
-    return (torch.randn(shape, generator=gen) * std).to(dtype)
+    return (torch.randn(shape, generator=gen) * 0.02).to(dtype)
 
 
 def write_checkpoint(
@@ -184,17 +182,12 @@ def write_checkpoint(
     max_shard_size: int,
     seed: int = 0,
     gemma: bool = False,
-    router_std: float | None = None,
 ) -> Path:
-    """Write the checkpoint of ``config`` into ``out`` (which must not exist); returns ``out``.
-    ``router_std``: the standard deviation of an MoE router's weight (the ``[experts, hidden]`` tensors;
-    0.02 like every weight when None)."""
+    """Write the checkpoint of ``config`` into ``out`` (which must not exist); returns ``out``."""
     from normswap.files import apply_umask
     from normswap.io.shards import ShardWriter, nbytes, write_index
 
     params = _params(config, dtype)
-    experts = getattr(config, "num_local_experts", None)
-    router = ((experts, config.hidden_size), router_std) if experts and router_std is not None else None
     shards: list[list[int]] = [[]]
     filled = 0
     for i, (_, shape, _) in enumerate(params):
@@ -216,8 +209,7 @@ def write_checkpoint(
             writer = ShardWriter(built / file, [(params[i][0], dtype, params[i][1]) for i in members])
             for i in members:
                 name, shape, cls = params[i]
-                writer.write(name, _tensor(i, shape, cls, name, seed=seed, gemma=gemma, dtype=dtype,
-                                           router=router))  # fmt: skip
+                writer.write(name, _tensor(i, shape, cls, name, seed=seed, gemma=gemma, dtype=dtype))
                 weight_map[name] = file
                 total += nbytes(dtype, shape)
             writer.close()
@@ -253,18 +245,9 @@ def write_checkpoint(
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
-    "--router-std",
-    type=float,
-    default=None,
-    help="Standard deviation of an MoE router's weights ([experts, hidden] tensors; default 0.02, as every "
-    "weight).",
-)
-@click.option(
     "--tokenizer", "tokenizer_path", default=None, help="Tokenizer directory or .gguf (default: SmolLM2's)."
 )
-def main(
-    out, preset, size, layers, vocab, tied, gemma, dtype, max_shard_size, seed, router_std, tokenizer_path
-):
+def main(out, preset, size, layers, vocab, tied, gemma, dtype, max_shard_size, seed, tokenizer_path):
     """Write a synthetic checkpoint to OUT (must not exist)."""
     from accelerate.utils import convert_file_size_to_int
 
@@ -291,7 +274,6 @@ def main(
         max_shard_size=convert_file_size_to_int(max_shard_size),
         seed=seed,
         gemma=gemma,
-        router_std=router_std,
     )
     total = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     click.echo(
