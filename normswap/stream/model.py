@@ -129,16 +129,12 @@ class StreamedParameter(nn.Parameter):
 
 
 def _row_index(index) -> int | None:
-    """``index`` as one row of the first axis (an int, or an integer tensor of one element), or None."""
+    """``index`` as one row of the first axis (an int, or a 0-d integer tensor), or None (a boolean mask,
+    a slice, several indices: the whole parameter is read)."""
     if isinstance(index, int) and not isinstance(index, bool):
         return index
-    if (
-        isinstance(index, torch.Tensor)
-        and index.numel() == 1
-        and index.ndim == 0
-        and not index.is_floating_point()
-    ):
-        return int(index)
+    if isinstance(index, torch.Tensor) and index.ndim == 0 and not index.is_floating_point():
+        return None if index.dtype == torch.bool or index.is_complex() else int(index)
     return None
 
 
