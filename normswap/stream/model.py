@@ -420,9 +420,9 @@ def eager_experts(model: nn.Module) -> None:
     """Run the experts modules with transformers' eager implementation (``set_experts_implementation``),
     which takes one expert's weights at a time (``experts.gate_up_proj[i]``), so a parameter read by rows
     (``StreamedParameter.by_rows``) is never held whole; its default (``grouped_mm``) reads whole stacks.
-    The same function: the experts' outputs are summed in another order, which moves the float32 logits by
-    a few ulps (the check and the verification compare two streamed models, both eager). A model without
-    the setting keeps its forward (whole reads, still correct)."""
+    The same function, computed in another order (the check and the verification compare two streamed
+    models, both eager). A model without the setting keeps its forward (whole reads, still correct). The
+    setting lives on ``model.config``, the config object ``build`` was given."""
     setter = getattr(model, "set_experts_implementation", None)
     if setter is None:
         return
