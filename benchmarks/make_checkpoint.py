@@ -4,11 +4,15 @@
     python benchmarks/make_checkpoint.py /tmp/tinyllama --preset tinyllama       # 1.17B params, 4.36 GiB f32
     python benchmarks/make_checkpoint.py /tmp/m1g --size 1GiB                    # Llama-shaped, ~1 GiB
     python benchmarks/make_checkpoint.py /tmp/g --preset small --gemma --tied    # Gemma-style (1+w) norms
+    python benchmarks/make_checkpoint.py /tmp/mx --preset mixtral --dtype bfloat16  # Mixtral-8x7B's shape,
+        # 4 layers, the hub's per-expert layout (block_sparse_moe.experts.N.w1/w2/w3.weight): 12.4 GB
 
-The model is a transformers Llama (or, with --gemma, Gemma) built on the meta device, so its parameter
-names, shapes and tying are transformers' own. Weights are N(0, 0.02) from a fixed seed per tensor; every
-norm scale is re-randomized to base + U(-0.5, 0.5) (base 1, or 0 for Gemma's (1+w) norms; norm biases
-U(-0.5, 0.5)), because transformers' identity initialization hides fold bugs. Norm parameters are
+The model is a transformers Llama (or, with --gemma, Gemma; with a mixtral preset, Mixtral) built on the meta
+device, so its parameter names, shapes and tying are transformers' own; tensors that transformers assembles as
+it loads (Mixtral's experts) are written as ``save_pretrained`` writes them (its ``revert_weight_conversion``
+on the meta model: one tensor per expert, the hub's layout). Weights are N(0, 0.02) from a fixed seed per
+tensor; every norm scale is re-randomized to base + U(-0.5, 0.5) (base 1, or 0 for Gemma's (1+w) norms; norm
+biases U(-0.5, 0.5)), because transformers' identity initialization hides fold bugs. Norm parameters are
 recognized by their module's class name (a benchmark convenience, not how normswap finds norms).
 
 The tokenizer is SmolLM2's (49152 tokens), read from the GGUF file normswap caches for ``smollm2-135m``
@@ -54,6 +58,27 @@ PRESETS = {
         num_attention_heads=16,
         num_key_value_heads=4,
     ),
+    # Mixtral-8x7B's layer shape (8 experts of intermediate 14336, 2 chosen per token) with 4 layers and
+    # SmolLM2's vocabulary: 6.2B parameters, 12.4 GB in bfloat16; one layer's experts are 2.8 GB
+    "mixtral": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
+    # the same at a quarter of the width and 2 layers: 0.55 GB in bfloat16 (where the peak goes)
+    "mixtral-small": dict(
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
     # a few MB, for tests
     "tiny": dict(
         hidden_size=64,
@@ -96,10 +121,10 @@ def make_config(
     dtype: torch.dtype,
 ):
     """The transformers config; with ``size`` (bytes), the layer count that comes closest to it."""
-    from transformers import GemmaConfig, LlamaConfig
+    from transformers import GemmaConfig, LlamaConfig, MixtralConfig
 
     shape = dict(PRESETS[preset])
-    cls = GemmaConfig if gemma else LlamaConfig
+    cls = MixtralConfig if "num_local_experts" in shape else GemmaConfig if gemma else LlamaConfig
     extra = dict(head_dim=shape["hidden_size"] // shape["num_attention_heads"]) if gemma else {}
     common = dict(vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=2048, **extra)
     if layers is not None:
@@ -113,15 +138,20 @@ def make_config(
 
 
 def _params(config, dtype: torch.dtype):
-    """``[(name, shape, module class name)]`` of the model's parameters (tied ones once), on meta."""
+    """``[(name, shape, module class name)]`` of the tensors ``save_pretrained`` writes (tied ones once;
+    parameters that transformers assembles on loading, as the tensors it splits them into), on meta."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()
-    owner = {id(p): type(m).__name__ for m in model.modules() for p in m.parameters(recurse=False)}
-    return [(name, tuple(p.shape), owner[id(p)]) for name, p in model.named_parameters()]
+    params = dict(model.named_parameters())
+    saved = revert_weight_conversion(model, params)
+    modules = dict(model.named_modules())
+    return [(name, tuple(p.shape), type(modules.get(name.rpartition(".")[0])).__name__)
+            for name, p in saved.items()]  # fmt: skip
 
 
 def _nbytes(config, dtype: torch.dtype) -> int:
@@ -185,7 +215,7 @@ def write_checkpoint(
             writer.close()
         if n > 1:
             write_index(built, weight_map, total)
-        config.architectures = ["GemmaForCausalLM" if gemma else "LlamaForCausalLM"]
+        config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
         config.dtype = str(dtype).removeprefix("torch.")
         config.save_pretrained(built)
         if tokenizer is not None:

@@ -347,8 +347,19 @@ def input_peaks(weight: torch.Tensor, axis: int) -> torch.Tensor | None:
     Two reductions of the weight in its own dtype, with no temporary beyond the result. Scaling by ``s``
     along ``axis`` overflows iff ``peaks.double() * |s|`` does somewhere: float64 rounding is monotonic, so
     along each input index the largest product is the largest magnitude's, and ``unrepresentable`` decides
-    exactly as it would element by element, at the cost of two reads of the weight.
+    exactly as it would element by element, at the cost of two reads of the weight. A weight with a
+    ``rows()`` method (``normswap.stream``'s stack of experts, each ``(1, *rest)`` read as it is needed) is
+    reduced row by row: the maximum of the rows' peaks, the same values.
     """
+    rows = getattr(weight, "rows", None)
+    if axis != 0 and callable(rows):  # a weight read one row at a time (a streamed stack of experts)
+        peaks = None
+        for row in rows():
+            got = input_peaks(row, axis)
+            if got is None:
+                return None
+            peaks = got if peaks is None else torch.maximum(peaks, got)
+        return peaks
     dims = [d for d in range(weight.ndim) if d != axis]
     peaks = torch.maximum(weight.amax(dim=dims), weight.amin(dim=dims).neg()) if dims else weight.abs()
     return peaks if bool(torch.isfinite(peaks).all()) else None

@@ -465,8 +465,9 @@ class _Tracer(TorchFunctionMode):
             dims = fn(ref.dims)
             if dims is None or len(dims) != out.ndim:
                 return False
+            if id(out) not in self.pref:  # forgotten when it dies (not kept alive: a weight's view costs
+                weakref.finalize(out, self.pref.pop, id(out), None)  # nothing, a streamed expert's row does)
             self.pref[id(out)] = _PRef(ref.param, dims)
-            self.keep.append(out)
             return True
         for tag in self.tags[id(src)]:
             dims = fn(tag.dims)

@@ -7,7 +7,9 @@ and converted twice through the CLI, in memory and streamed (``--max-memory 4KB`
 references are independent of the streamed path:
 
 * the in-memory output (itself checked against the original by the CLI's logits check): the streamed output
-  holds the same tensors, bit for bit, with the same sites;
+  holds the same tensors, bit for bit, with the same sites (each norm's consumers as the parameters and axes
+  they read: the streamed experts forward is transformers' eager one, one ``linear`` per expert, where the
+  in-memory one may be ``grouped_mm``);
 * the input: the streamed output has exactly its tensor names, each in the shard file it came from;
 * the original model: a fresh plain ``transformers`` load of the streamed output gives its logits within
   1e-5 (float32; the fold rounds each weight once, about 1e-7 relative, and a rotation's float32 forward
@@ -35,7 +37,7 @@ from normswap.io.shards import INDEX, CheckpointReader
 _SLOW = pytest.mark.slow
 # (model type, extra options): Mixtral (renamed block_sparse_moe, w1/w3/w2) plain, Qwen3-MoE rotated in the
 # default run; the other layouts, the other option and bfloat16 marked slow.
-ROWS = [("mixtral", ()), ("qwen3_moe", ("--rotate", "hadamard"))] + [
+ROWS = [("mixtral", ()), ("qwen3_moe", ("--rotate", "hadamard")), ("qwen3_next", ())] + [
     pytest.param(name, extra, marks=_SLOW)
     for name, extra in (
         ("qwen3_moe", ()),
@@ -43,8 +45,14 @@ ROWS = [("mixtral", ()), ("qwen3_moe", ("--rotate", "hadamard"))] + [
         ("qwen2_moe", ()),
         ("deepseek_v3", ()),
         ("mixtral", ("--rotate", "hadamard")),
+        ("qwen3_next", ("--rotate", "hadamard")),
     )
 ]
+
+
+def _consumer(record: dict) -> tuple:
+    """What a consumer record says the fold does: which parameter, along which axis, with which bias."""
+    return record["module"], record["param"], record["axis"], record["bias"]
 
 
 def _placement(folder) -> dict[str, str]:
@@ -68,7 +76,7 @@ def test_moe_streams_in_its_own_layout(name, extra, tokenizer, tmp_path):  # noq
             layers.setdefault(n.split(".experts.")[0], set()).add(file)
     assert any(len(files) > 1 for files in layers.values())  # some parameter is assembled across shards
     memory, streamed = convert_both(src, tmp_path, *extra)
-    assert_same_checkpoint(memory, streamed)
+    assert_same_checkpoint(memory, streamed, consumers=_consumer)
     assert _placement(streamed) == placement  # the input's names, each in its own shard
     index = json.loads((streamed / INDEX).read_text())
     assert set(index["weight_map"]) == set(placement)
@@ -81,12 +89,99 @@ def test_moe_streams_in_its_own_layout(name, extra, tokenizer, tmp_path):  # noq
     assert (before - after).abs().max().item() <= 1e-5
 
 
+def test_weight_read_outside_its_module_is_read_on_demand(tokenizer, tmp_path):  # noqa: F811
+    """Qwen3-Next's linear attention passes ``conv1d.weight`` to its convolution function without calling
+    the ``Conv1d``: the streamed forward reads it as it is used and releases it when the reading module
+    returns; the logits equal the in-memory model's, bit for bit (same weights, same ops)."""
+    from normswap.stream.model import build, is_released
+
+    model = make_tiny_model("qwen3_next")
+    src = save_sharded(model, tokenizer, tmp_path / "src")
+    streamed = build(model.config, CheckpointReader(src), torch.float32)
+    conv = [m for n, m in streamed.model.named_modules() if n.endswith("linear_attn.conv1d")]
+    assert conv and all(is_released(m.weight) for m in conv)
+    released = [p for p in streamed.model.parameters() if is_released(p)]
+    fetched = []
+    fetch = streamed.fetch
+    streamed.fetch = lambda p: (fetched.append(p), fetch(p))
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = streamed.model(ids).logits
+        assert torch.equal(logits, model(ids).logits)
+    assert {id(p) for p in fetched} == {id(m.weight) for m in conv}  # only what no module hook read
+    assert all(is_released(p) for p in released)
+    resident = sum(t.nbytes for t in [*streamed.model.parameters(), *streamed.model.buffers()]
+                   if not is_released(t))  # fmt: skip
+    assert streamed.held == resident and streamed.running == [] and streamed.loose == []
+    assert streamed.peak >= resident + conv[0].weight.nbytes
+
+
+def test_experts_are_read_one_at_a_time(tokenizer, tmp_path, monkeypatch):  # noqa: F811
+    """A streamed conversion never assembles a whole stack of experts (``Group.assemble`` on real tensors):
+    the forwards take one expert's rows (the eager experts forward), the fold plan's overflow test and the
+    write read them row by row; the output equals the in-memory one, bit for bit."""
+    from normswap.stream import model as stream_model
+    from normswap.stream.assemble import Group
+
+    whole = []
+    assemble = Group.assemble
+
+    def watched(self, read):
+        def spy(key):
+            t = read(key)
+            if t.device.type != "meta" and t.dtype != torch.float64:  # not the checks of meta/probe tensors
+                whole.append(key)
+            return t
+
+        return assemble(self, spy)
+
+    monkeypatch.setattr(Group, "assemble", watched)
+    by_rows = stream_model._by_rows
+
+    def rows_of_all(reader, key, *args):
+        whole.append(key)
+        return by_rows(reader, key, *args)
+
+    monkeypatch.setattr(stream_model, "_by_rows", rows_of_all)  # a whole parameter made row by row
+    src = save_sharded(make_tiny_model("mixtral"), tokenizer, tmp_path / "src", "100KB")
+    memory, streamed = convert_both(src, tmp_path)
+    assert whole == []
+    assert_same_checkpoint(memory, streamed, consumers=_consumer)
+    report = json.loads((streamed / "normswap.json").read_text())
+    config = json.loads((src / "config.json").read_text())
+    stack = config["num_local_experts"] * 2 * config["intermediate_size"] * config["hidden_size"] * 4
+    assert 0 < report["streamed"]["peak_weight_bytes"] < stack  # never a whole gate_up_proj
+
+
+def test_rows_the_walk_keeps_hold_no_bytes(tokenizer, tmp_path):  # noqa: F811
+    """The walk keeps every tensor derived from a parameter it follows (an expert's row) until it ends; a
+    row read during a forward has its storage freed when the module that read it returns, so the walk's
+    sites are the in-memory eager walk's and no row's bytes outlive its experts module."""
+    from normswap.stream.model import build
+    from normswap.walk import walk
+
+    model = make_tiny_model("mixtral")
+    src = save_sharded(model, tokenizer, tmp_path / "src")
+    streamed = build(model.config, CheckpointReader(src), torch.float32)
+    rows = []
+    row = streamed.row
+    streamed.row = lambda p, i: rows.append(row(p, i)) or rows[-1]
+    traced = walk(streamed.model)
+    assert rows and all(t.untyped_storage().nbytes() == 0 for t in rows)
+    model.set_experts_implementation("eager")
+    assert [s.to_dict() for s in traced.sites] == [s.to_dict() for s in walk(model).sites]
+
+
 @_SLOW
-@pytest.mark.parametrize("extra", [(), ("--rotate", "hadamard")], ids=["plain", "rotated"])
-def test_moe_bfloat16_streams(extra, tokenizer, tmp_path):  # noqa: F811
-    src = save_sharded(make_tiny_model("qwen3_moe").to(torch.bfloat16), tokenizer, tmp_path / "src")
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [("qwen3_moe", ()), ("qwen3_moe", ("--rotate", "hadamard")), ("qwen3_next", ("--rotate", "hadamard"))],
+    ids=["plain", "rotated", "qwen3_next-rotated"],
+)
+def test_moe_bfloat16_streams(name, extra, tokenizer, tmp_path):  # noqa: F811
+    src = save_sharded(make_tiny_model(name).to(torch.bfloat16), tokenizer, tmp_path / "src")
     memory, streamed = convert_both(src, tmp_path, "--dtype", "bfloat16", *extra)
-    assert_same_checkpoint(memory, streamed)
+    assert_same_checkpoint(memory, streamed, consumers=_consumer)
     assert _placement(streamed) == _placement(src)
 
 

@@ -342,9 +342,10 @@ class ShardWriter:
         layout: ``(name, dtype, shape)`` of every tensor, in file order.
         metadata: the header's ``__metadata__`` (transformers writes ``{"format": "pt"}``).
 
-    ``write(name, tensor)`` must then be called once per tensor, in order; ``close()`` checks that all were
-    written. The file is byte-identical to ``safetensors.torch.save_file`` of the same tensors when
-    ``layout`` lists them in the order that function would.
+    ``write(name, tensor)`` must then be called once per tensor, in order (``put`` writes one out of order,
+    at its offset: ``write`` then skips it); ``close()`` checks that all were written. The file is
+    byte-identical to ``safetensors.torch.save_file`` of the same tensors when ``layout`` lists them in the
+    order that function would.
     """
 
     def __init__(self, path: str | os.PathLike, layout: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -365,29 +366,53 @@ class ShardWriter:
         blob += b" " * (-len(blob) % 8)
         self._file = open(self.path, "wb")
         self._file.write(struct.pack("<Q", len(blob)) + blob)
+        self._start = 8 + len(blob)
+        self._entries = {
+            name: (i, header[name]["data_offsets"][0]) for i, (name, _, _) in enumerate(self.layout)
+        }
+        self._done: set[str] = set()
         self._next = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append ``tensor`` (moved to the CPU if needed) as ``name``; it must match the layout's entry.
+        """Write ``tensor`` (moved to the CPU if needed) as ``name``, the layout's next entry not yet written.
 
         Raises:
             ValueError: out of order, or a dtype/shape different from the layout.
         """
+        while self._next < len(self.layout) and self.layout[self._next][0] in self._done:
+            self._next += 1
         expected = self.layout[self._next] if self._next < len(self.layout) else None
         if expected is None or expected[0] != name:
             raise ValueError(f"{self.path.name}: got {name}, expected {expected and expected[0]}")
+        self.put(name, tensor)
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` as ``name`` at its offset, in any order (once).
+
+        Raises:
+            ValueError: not in the layout, written already, or a dtype/shape different from the layout.
+        """
+        if name not in self._entries or name in self._done:
+            raise ValueError(f"{self.path.name}: {name} is not a tensor of the layout still to be written")
+        i, offset = self._entries[name]
+        expected = self.layout[i]
         if tensor.dtype != expected[1] or tuple(tensor.shape) != tuple(expected[2]):
             raise ValueError(f"{self.path.name}: {name} is {tensor.dtype} {tuple(tensor.shape)}, layout says "
                              f"{expected[1]} {tuple(expected[2])}")  # fmt: skip
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        self._file.seek(self._start + offset)
         self._file.write(memoryview(data.numpy()))
-        self._next += 1
+        self._done.add(name)
+
+    def written(self, name: str) -> bool:
+        """Whether ``name`` was written."""
+        return name in self._done
 
     def close(self) -> None:
         """Flush and close; raises ``ValueError`` when tensors of the layout were not written."""
         self._file.close()
-        if self._next != len(self.layout):
-            raise ValueError(f"{self.path.name}: {len(self.layout) - self._next} tensors not written")
+        if len(self._done) != len(self.layout):
+            raise ValueError(f"{self.path.name}: {len(self.layout) - len(self._done)} tensors not written")
 
     def abort(self) -> None:
         self._file.close()

@@ -15,6 +15,16 @@ giving back the checkpoint's tensors under their own names. Both are checked on 
 group is made (``groups``): the assembled parameters have the model's names and shapes, and the split gives
 exactly the checkpoint tensors the group read, with their shapes, so the output can keep the input's layout.
 No table of ours: the patterns and operations are transformers'.
+
+A group is *slot-wise* when its parameters' rows along their first axis (one expert each) can be made one at
+a time: row ``i`` of every parameter is what the converter makes from the ``i``-th checkpoint tensor of each
+of its source patterns (``assemble_slot``), and the reversed converter splits that row back into those
+tensors (``split_slot``). This is established from behaviour when the group is made (``_check_slots``): on the
+meta device with the real shapes, and on small tensors of distinct values (every axis cut to at most 12
+entries) whose rows, assembled one at a time, must equal the whole assembly's, and split back, the tensors
+themselves. A slot-wise parameter is then read one expert at a time (``stream.model``: an expert's weights as
+the eager experts forward indexes them; the fold plan's overflow test and the write, row by row), so no
+step holds a whole stack of experts.
 """
 
 from __future__ import annotations
@@ -54,6 +64,47 @@ class Group:
     reverse_patterns: dict[str, str] = field(default_factory=dict)
     renamings: list = field(default_factory=list)
     model: torch.nn.Module | None = None
+    slots: int = 0
+
+    @property
+    def slotwise(self) -> bool:
+        """Whether its parameters can be made (and split back) one row of the first axis at a time."""
+        return self.slots > 0
+
+    def slot_sources(self, i: int) -> list[tuple[str, str]]:
+        """The ``(pattern, key)`` sources of row ``i``: the ``i``-th tensor of each source pattern, in the
+        loader's order."""
+        from transformers.core_model_loading import dot_natural_key
+
+        by_pattern: dict[str, list[str]] = {}
+        for pattern, key in self.sources:
+            by_pattern.setdefault(pattern, []).append(key)
+        picked = [(pattern, keys[i]) for pattern, keys in by_pattern.items()]
+        return sorted(picked, key=lambda pk: dot_natural_key(pk[1]))
+
+    def slot_of(self, key: str) -> int:
+        """The row that checkpoint tensor ``key`` belongs to."""
+        return next(i for i in range(self.slots) if any(k == key for _, k in self.slot_sources(i)))
+
+    def assemble_slot(self, read: Callable[[str], torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+        """Model parameter name -> its row ``i`` (shape ``(1, *rest)``), from the tensors of that row only."""
+        return self._convert(self.first, self.slot_sources(i), read)
+
+    def split_slot(self, rows: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name -> tensor: row ``i`` of every parameter (``(1, *rest)`` each) split back
+        (``split`` on one row names row 0's tensors; they are row ``i``'s, in the same order)."""
+        out = self.split(rows)
+        names = dict(
+            zip([k for _, k in self.slot_sources(0)], [k for _, k in self.slot_sources(i)], strict=True)
+        )
+        return {names[name]: t for name, t in out.items()}
+
+    def _convert(self, first, sources, read):
+        converter = copy.deepcopy(self.converter)
+        for pattern, key in sources:
+            converter.add_tensor(first, key, pattern, functools.partial(read, key))
+        out = converter.convert(first, model=self.model, config=self.model.config)
+        return {name: t[0] if isinstance(t, list) else t for name, t in out.items()}
 
     @property
     def keys(self) -> list[str]:
@@ -68,11 +119,7 @@ class Group:
             read: checkpoint tensor name -> tensor (in the dtype and on the device wanted: the operations
                 only stack, concatenate and slice, so casting before or after gives the same values).
         """
-        converter = copy.deepcopy(self.converter)
-        for pattern, key in self.sources:
-            converter.add_tensor(self.first, key, pattern, functools.partial(read, key))
-        out = converter.convert(self.first, model=self.model, config=self.model.config)
-        return {name: t[0] if isinstance(t, list) else t for name, t in out.items()}
+        return self._convert(self.first, self.sources, read)
 
     def split(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> tensor: the model parameters ``tensors`` (name -> values, every target)
@@ -175,4 +222,48 @@ def groups(
                 f"{source}: transformers' save would write {group.first} back as other tensors than the "
                 f"checkpoint's ({odd[0]} differs): it cannot be streamed in its own layout"
             )
+        group.slots = _check_slots(group, tensors)
     return list(made.values())
+
+
+_PROBE = 12  # the longest axis of a slot probe's tensors (divisible by 2, 3, 4 and 6: chunks still split)
+
+
+def _check_slots(group: Group, tensors: dict) -> int:
+    """The number of rows when ``group`` is slot-wise (see the module docstring), else 0: every source
+    pattern has one tensor per row of every parameter, a row made from its own tensors has the parameter's
+    row shape (meta, real shapes), and on small tensors of distinct values the rows made one at a time equal
+    the whole assembly's and split back into exactly their tensors."""
+    patterns: dict[str, int] = {}
+    for pattern, _ in group.sources:
+        patterns[pattern] = patterns.get(pattern, 0) + 1
+    rows = {shape[0] if shape else 0 for shape in group.targets.values()}
+    if len(rows) != 1 or set(patterns.values()) != rows or min(rows) < 2:
+        return 0
+    n = rows.pop()
+    try:
+        meta = group.assemble_slot(lambda key: _meta(tensors[key].shape, tensors[key].dtype), 0)
+        if {k: tuple(t.shape) for k, t in meta.items()} != {
+            k: (1, *shape[1:]) for k, shape in group.targets.items()
+        }:
+            return 0
+        probes, start = {}, 0
+        for key in group.keys:
+            shape = [min(d, _PROBE) for d in tensors[key].shape]
+            numel = 1
+            for d in shape:
+                numel *= d
+            probes[key] = torch.arange(start, start + numel, dtype=torch.float64).reshape(shape)
+            start += numel
+        whole = group.assemble(probes.__getitem__)
+        back: dict[str, torch.Tensor] = {}
+        for i in range(n):
+            row = group.assemble_slot(probes.__getitem__, i)
+            if set(row) != set(whole) or not all(torch.equal(row[k], whole[k][i : i + 1]) for k in row):
+                return 0
+            back.update(group.split_slot(row, i))
+    except Exception:  # noqa: BLE001 - an operation that needs the real shapes: assembled whole
+        return 0
+    if set(back) != set(probes) or not all(torch.equal(back[k], probes[k]) for k in probes):
+        return 0
+    return n

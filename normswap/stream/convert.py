@@ -52,7 +52,7 @@ from normswap.io import carry, staging
 from normswap.io.shards import INDEX, CheckpointReader, ShardWriter, nbytes, write_index
 from normswap.stream import dist
 from normswap.stream.model import Streamed, StreamedParameter, build, is_released
-from normswap.stream.plan import layout, make_pieces, make_tensor, tensor_plans
+from normswap.stream.plan import by_rows, layout, make_pieces, make_row_pieces, make_tensor, tensor_plans
 from normswap.stream.records import DiskRecords
 from normswap.stream.verify import fingerprint, record, verify_streamed
 from normswap.walk import short_inputs
@@ -289,21 +289,53 @@ def write_shards(
     A checkpoint tensor that is a piece of an assembled parameter (``stream.assemble``: one expert's
     ``gate_proj``) is split from that parameter, made whole (``make_pieces``); the pieces are held until each
     of them in ``files`` is written (safetensors orders a shard's tensors by name, so two groups of a layer
-    interleave), then released."""
+    interleave), then released. A group made by rows (``plan.by_rows``: a stack of experts folded along its
+    input axis) is made one expert at a time (``make_row_pieces``), and that expert's tensors of the same
+    shard are written at once, each at its offset (``ShardWriter.put``; the file's order is the input's), so
+    the write holds one expert's tensors, not the layer's experts (a copy of those that go into a later
+    shard)."""
     shards = layout(reader, plans)
     wanted: dict[int, set[str]] = {}  # id(group) -> its pieces still to be written by this call
     for file in files:
         for name, _, _ in shards[file]:
             if plans[name].piece_of is not None:
                 wanted.setdefault(id(plans[name].piece_of), set()).add(name)
-    pieces: dict[int, dict[str, torch.Tensor]] = {}
+    pieces: dict = {}  # id(group) (or (id(group), row)) -> its output tensors not yet written
+    rowwise: dict[int, dict[str, int]] = {}  # id(group) -> its checkpoint tensor -> row, when made by rows
+    shard_names = {file: {name for name, _, _ in shards[file]} for file in files}
+    for tp in plans.values():
+        group = tp.piece_of
+        if group is not None and id(group) not in rowwise and by_rows(plans, group):
+            rowwise[id(group)] = {key: i for i in range(group.slots) for _, key in group.slot_sources(i)}
     for file in files:
         writer = ShardWriter(folder / file, shards[file])
         try:
             for name, _, _ in shards[file]:
+                if writer.written(name):  # with its expert's other tensors (below)
+                    continue
                 group = plans[name].piece_of
                 if group is None:
                     tensor = make_tensor(reader, plans, name, device)
+                elif id(group) in rowwise:  # one expert's tensors at a time, written at once where they go
+                    i = rowwise[id(group)][name]
+                    if (id(group), i) not in pieces:
+                        made = make_row_pieces(reader, plans, group, i, device)
+                        for key in [k for k in made if k != name and k in shard_names[file]]:
+                            piece = made.pop(key)
+                            if written is not None:
+                                written[key] = fingerprint(piece)
+                            writer.put(key, piece)
+                            wanted[id(group)].discard(key)
+                            del piece
+                        later = {
+                            k: t.clone() for k, t in made.items() if k != name and k in wanted[id(group)]
+                        }
+                        pieces[(id(group), i)] = {name: made.pop(name), **later}  # another shard's: copied
+                        del made  # (a view would hold the whole row)
+                    tensor = pieces[(id(group), i)].pop(name).contiguous()
+                    wanted[id(group)].discard(name)
+                    if not pieces[(id(group), i)]:
+                        del pieces[(id(group), i)]
                 else:
                     if id(group) not in pieces:
                         pieces[id(group)] = make_pieces(reader, plans, group, device)
@@ -483,7 +515,9 @@ def convert_streamed(
             not_centered = getattr(error, "what", None) or str(error)
         release_memory()
     progress.note("planning the folds (each consumer weight read once) ...")
-    folding = plan(streamed.model, traced, untie=untie, read=read)
+    folding = plan(
+        streamed.model, traced, untie=untie, read=lambda name: _values(streamed.model, name, rows=True)
+    )
     untie_record = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else None
     untied = untie_record.names if untie_record is not None else []
     if centered is not None:  # centering may untie an embedding written into the residual stream
@@ -660,9 +694,12 @@ def _original(source: Source, device) -> torch.nn.Module:
     ).model
 
 
-def _values(model: torch.nn.Module, name: str) -> torch.Tensor:
-    """Parameter ``name`` of a streamed model with its values (read from the checkpoint when released)."""
+def _values(model: torch.nn.Module, name: str, rows: bool = False) -> torch.Tensor:
+    """Parameter ``name`` of a streamed model with its values (read from the checkpoint when released); with
+    ``rows``, a parameter read by rows as it is (``fold.input_peaks`` reads it one expert at a time)."""
     p = model.get_parameter(name)
+    if rows and isinstance(p, StreamedParameter) and p.by_rows():
+        return p
     return copy.deepcopy(p) if isinstance(p, StreamedParameter) and is_released(p) else p
 
 

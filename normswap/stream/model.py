@@ -18,22 +18,34 @@ mapping: per-expert tensors stacked into ``experts.gate_up_proj``) is released t
 assembled as it is read, by transformers' own converter on the tensors read from the shards
 (``stream.assemble``), and the bytes held count its assembled size.
 
-A parameter read outside the forward of a module that holds it would find no bytes; every transformers
-model streamed so far reads its weights only inside their modules (the tests compare plans and logits with
-the in-memory path on several architectures).
+A parameter read outside the forward of the module that holds it (Qwen3-Next's linear attention passes
+``self.conv1d.weight`` to its convolution function, never calling the ``Conv1d``) is read from the checkpoint
+as it is used: ``StreamedParameter.__torch_function__`` sees every torch function that takes it, and one that
+reads its values (anything but its metadata: shape, dtype, device, hashing) reads it first. It is released
+again when the forward of the innermost module running at that moment returns (every module's forward is
+hooked to know which that is), so such a read holds it no longer than the module that read it runs.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from normswap.errors import NormswapError
 from normswap.io.shards import CheckpointReader
 from normswap.stream.assemble import Group, groups
+from normswap.walk import METADATA_OPS, func_name
+
+# torch functions that read a tensor's metadata, never its values: no read from the checkpoint for them (the
+# walk's list, and the ``data`` property, read and set by the hooks themselves)
+_NO_VALUES = frozenset(METADATA_OPS) | {"data", "requires_grad_", "is_inference", "is_nested", "_is_view",
+                                         "is_shared", "is_pinned", "output_nr", "_version", "_base",
+                                         "__reduce_ex__", "__getstate__", "__setstate__"}  # fmt: skip
 
 
 def placeholder(shape, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -60,6 +72,8 @@ class StreamedParameter(nn.Parameter):
         stream_ops: transforms applied, in order, to the values as read (``Streamed.transform``: the
             centering of a writer's weight, ...); each maps a tensor to a new one of the same shape, dtype
             and device.
+        stream_owner: the ``Streamed`` model that reads it when a torch function needs its values while it is
+            released (``__torch_function__``); None for a resident one.
 
     ``copy.deepcopy`` (the probe copies candidate modules, the fold plan reads consumer weights) returns a
     plain Parameter holding the current values, read from disk and transformed when released, as a deep
@@ -73,6 +87,56 @@ class StreamedParameter(nn.Parameter):
         memo[id(self)] = result = nn.Parameter(data, requires_grad=self.requires_grad)
         return result
 
+    def by_rows(self) -> bool:
+        """Whether it is read one row (expert) at a time: released, assembled by a slot-wise group
+        (``assemble.Group.slotwise``) with no transforms, and of a streamed model (its module's forward
+        leaves it released; ``self[i]`` reads row ``i``, any other read the whole)."""
+        group = getattr(self, "stream_group", None)
+        owner = getattr(self, "stream_owner", None)
+        with torch._C.DisableTorchFunctionSubclass():
+            return owner is not None and group is not None and group.slotwise and not self.stream_ops and (
+                is_released(self))  # fmt: skip
+
+    def rows(self):
+        """Its rows along the first axis, each ``(1, *rest)`` in its dtype, read one at a time when it is
+        released (``by_rows``), else views (``normswap.fold.input_peaks`` reduces a stack of experts so)."""
+        if not self.by_rows():
+            with torch._C.DisableTorchFunctionSubclass():
+                yield from self.detach().split(1)
+            return
+        for i in range(self.shape[0]):
+            yield self.stream_owner.row(self, i).unsqueeze(0)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """As ``nn.Parameter``'s (the function runs on plain tensors, and returns them), after reading every
+        released argument whose values ``func`` needs (``Streamed.fetch``): a weight read outside its
+        module's forward. ``p[i]`` of a parameter read by rows (``by_rows``: an expert's weights, as the
+        eager experts forward takes them) reads row ``i`` only."""
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__getitem__ and not kwargs and len(args) == 2:
+            p, index = args
+            if isinstance(p, StreamedParameter) and p.by_rows() and _row_index(index) is not None:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return p.stream_owner.row(p, _row_index(index))
+        with torch._C.DisableTorchFunctionSubclass():
+            if func_name(func) not in _NO_VALUES:
+                for a in tree_flatten((args, kwargs))[0]:
+                    owner = getattr(a, "stream_owner", None) if isinstance(a, StreamedParameter) else None
+                    if owner is not None and is_released(a):
+                        owner.fetch(a)
+            return func(*args, **kwargs)
+
+
+def _row_index(index) -> int | None:
+    """``index`` as one row of the first axis (an int, or a 0-d integer tensor), or None (a boolean mask,
+    a slice, several indices: the whole parameter is read)."""
+    if isinstance(index, int) and not isinstance(index, bool):
+        return index
+    if isinstance(index, torch.Tensor) and index.ndim == 0 and not index.is_floating_point():
+        return None if index.dtype == torch.bool or index.is_complex() else int(index)
+    return None
+
 
 def read_source(
     reader: CheckpointReader, key: str, group: Group | None, dtype: torch.dtype, device
@@ -81,7 +145,27 @@ def read_source(
     parameter ``key`` that the group assembles from its checkpoint tensors, each read so."""
     if group is None:
         return reader.read(key, dtype, device)
+    if group.slotwise:
+        return _by_rows(reader, key, group, dtype, device, dtype)
     return group.assemble(lambda name: reader.read(name, dtype, device))[key]
+
+
+def read_row(reader: CheckpointReader, key: str, group: Group, dtype: torch.dtype, device, i: int):
+    """Row ``i`` (first axis: one expert) of the parameter ``key`` of a slot-wise ``group``, made from that
+    row's checkpoint tensors only (``assemble.Group.assemble_slot``), in ``dtype`` on ``device``."""
+    return group.assemble_slot(lambda name: reader.read(name, dtype, device), i)[key][0]
+
+
+def _by_rows(reader, key, group, dtype, device, out_dtype) -> torch.Tensor:
+    """The whole parameter, made row by row into one tensor of ``out_dtype`` (each row cast as it is made):
+    the whole tensor and one row held, not every checkpoint tensor beside the stacks the converter makes."""
+    first = read_row(reader, key, group, dtype, device, 0)
+    out = torch.empty((group.slots, *first.shape), dtype=out_dtype, device=device)
+    out[0] = first
+    del first
+    for i in range(1, group.slots):
+        out[i] = read_row(reader, key, group, dtype, device, i)
+    return out
 
 
 def values(p: StreamedParameter) -> torch.Tensor:
@@ -89,7 +173,10 @@ def values(p: StreamedParameter) -> torch.Tensor:
     assembled, ``p.stream_group``) in the dtype the model was built in (``p.stream_dtype``), ``p.stream_ops``
     applied, then cast to ``p.dtype`` where that differs (``normswap.check.upcast`` holds a half-precision
     model in float32: exact, as in memory)."""
-    t = read_source(p.stream_reader, p.stream_key, p.stream_group, p.stream_dtype, p.device)
+    group = p.stream_group
+    if group is not None and group.slotwise and not p.stream_ops:  # each row cast as it is made
+        return _by_rows(p.stream_reader, p.stream_key, group, p.stream_dtype, p.device, p.dtype)
+    t = read_source(p.stream_reader, p.stream_key, group, p.stream_dtype, p.device)
     for op in p.stream_ops:
         t = op(t)
     return t if t.dtype == p.dtype or not t.is_floating_point() else t.to(p.dtype)
@@ -102,7 +189,7 @@ def stand_in(
     the parameter ``key`` that ``group`` assembles."""
     p = StreamedParameter(placeholder(shape, dtype, device), requires_grad=False)
     p.stream_key, p.stream_reader, p.stream_ops, p.stream_dtype = key, reader, list(ops), dtype
-    p.stream_group = group
+    p.stream_group, p.stream_owner = group, None
     return p
 
 
@@ -113,7 +200,7 @@ def resident(
     norm scale, a bias."""
     p = StreamedParameter(data, requires_grad=False)
     p.stream_key, p.stream_reader, p.stream_ops, p.stream_dtype = key, reader, [], data.dtype
-    p.stream_group = group
+    p.stream_group, p.stream_owner = group, None
     return p
 
 
@@ -135,6 +222,9 @@ class Streamed:
         saved_name: a model tensor name -> the name ``save_pretrained`` writes it under.
         groups: model parameter name -> the ``assemble.Group`` that makes it from several checkpoint tensors
             (and writes it back as them); ``pieces``: each of those checkpoint tensors -> its group.
+        running: the modules whose forward is running, innermost last, each with the parameters read while
+            it ran outside their own module's forward (``fetch``), released when it returns; ``loose``: those
+            read while no forward ran, released when the next forward returns.
     """
 
     model: nn.Module
@@ -148,28 +238,90 @@ class Streamed:
     saved_name: Callable[[str], str] = staticmethod(lambda name: name)
     groups: dict[str, Group] = field(default_factory=dict)
     pieces: dict[str, Group] = field(default_factory=dict)
+    running: list[tuple[nn.Module, list]] = field(default_factory=list)
+    loose: list = field(default_factory=list)
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for p in self.loose:
+            self._drop(p)
+        self.loose.clear()
+        for p in self.own_parameters():
+            p.stream_owner = None  # no reads on demand once the hooks that release them are gone
+
+    def own_parameters(self) -> list[StreamedParameter]:
+        """The released stand-ins of this model (those ``fetch`` may read)."""
+        return [p for p in self.model.parameters() if getattr(p, "stream_owner", None) is self]
+
+    def fetch(self, p: StreamedParameter) -> None:
+        """Read a released ``p`` that a torch function needs outside its module's forward; it is released
+        when the innermost module running returns (or the next forward, when none runs)."""
+        p.data = values(p)
+        self.held += _nbytes(p)
+        self.peak = max(self.peak, self.held)
+        (self.running[-1][1] if self.running else self.loose).append(p)
+
+    def enter(self, module: nn.Module) -> None:
+        """A module's forward starts (its forward pre-hook)."""
+        self.running.append((module, []))
+
+    def leave(self, module: nn.Module) -> None:
+        """A module's forward returned or raised (its forward hook): the parameters read while it ran, and
+        while the forwards it left unfinished ran, are released."""
+        if not any(m is module for m, _ in self.running):
+            return
+        while self.running:
+            m, fetched = self.running.pop()
+            for p in fetched:
+                if isinstance(p, weakref.ref):  # a row read for this forward (``row``), still referenced
+                    row = p()
+                    if row is not None:
+                        row.untyped_storage().resize_(0)
+                else:
+                    self._drop(p)
+            if m is module:
+                break
+        if not self.running:
+            for p in self.loose:
+                self._drop(p)
+            self.loose.clear()
+
+    def _drop(self, p: torch.Tensor) -> None:
+        if not is_released(p):
+            self.held -= _nbytes(p)
+            p.untyped_storage().resize_(0)
 
     def load(self, module: nn.Module, attrs) -> None:
         """Read the released parameters ``attrs`` of ``module`` (its forward pre-hook)."""
         for attr in attrs:
             p = module._parameters[attr]
-            if isinstance(p, StreamedParameter) and is_released(p):
+            if isinstance(p, StreamedParameter) and is_released(p) and not p.by_rows():
                 p.data = values(p)
                 self.held += _nbytes(p)
         self.peak = max(self.peak, self.held)
+
+    def row(self, p: StreamedParameter, i: int) -> torch.Tensor:
+        """Row ``i`` of a parameter read by rows (``StreamedParameter.by_rows``), in ``p.dtype``; the
+        caller holds it (it counts in ``peak`` while it is made). Read during a forward, its storage is
+        freed when the innermost module running returns, as a released weight's (a trace may keep the
+        tensor: the walk keeps every view of a parameter it follows)."""
+        i = i + p.shape[0] if i < 0 else i
+        if not 0 <= i < p.shape[0]:
+            raise IndexError(f"index {i} is out of bounds for dimension 0 with size {p.shape[0]}")
+        t = read_row(self.reader, p.stream_key, p.stream_group, p.stream_dtype, p.device, i)
+        t = t if t.dtype == p.dtype else t.to(p.dtype)
+        self.peak = max(self.peak, self.held + _nbytes(t))
+        if self.running:  # a trace that keeps it (the walk's) keeps no bytes once the reading module returns
+            self.running[-1][1].append(weakref.ref(t))
+        return t
 
     def release(self, module: nn.Module, attrs) -> None:
         """Release the parameters ``attrs`` of ``module`` again (its forward hook)."""
         for attr in attrs:
             p = module._parameters[attr]
-            if not is_released(p):
-                self.held -= _nbytes(p)
-                p.untyped_storage().resize_(0)  # frees the bytes even where the trace keeps a view
+            self._drop(p)  # frees the bytes even where the trace keeps a view
 
     def copy(self, name: str, old: nn.Parameter) -> nn.Parameter:
         """A new Parameter for ``name`` with ``old``'s values: the ``copy`` that
@@ -182,6 +334,7 @@ class Streamed:
             p = resident(old.detach().clone(), key, self.reader, group)
         else:
             p = stand_in(old.shape, old.stream_dtype, old.device, key, self.reader, old.stream_ops, group)
+            p.stream_owner = self if self.handles else None
         p.requires_grad_(old.requires_grad)
         return p
 
@@ -261,6 +414,22 @@ def checkpoint_names(
         return name
 
     return loaded, saved_name, made
+
+
+def eager_experts(model: nn.Module) -> None:
+    """Run the experts modules with transformers' eager implementation (``set_experts_implementation``),
+    which takes one expert's weights at a time (``experts.gate_up_proj[i]``), so a parameter read by rows
+    (``StreamedParameter.by_rows``) is never held whole; its default (``grouped_mm``) reads whole stacks.
+    The same function, computed in another order (the check and the verification compare two streamed
+    models, both eager). A model without the setting keeps its forward (whole reads, still correct). The
+    setting lives on ``model.config``, the config object ``build`` was given."""
+    setter = getattr(model, "set_experts_implementation", None)
+    if setter is None:
+        return
+    try:
+        setter("eager")
+    except (ValueError, RuntimeError, ImportError):
+        return
 
 
 def resident_parameters(model: nn.Module) -> set[int]:
@@ -384,6 +553,15 @@ def build(
                 lambda m, args, attrs=attrs: streamed.load(m, attrs)))  # fmt: skip
             streamed.handles.append(module.register_forward_hook(
                 lambda m, args, out, attrs=attrs: streamed.release(m, attrs)))  # fmt: skip
+    for module in model.modules():  # which forward runs, for the weights read outside their module's
+        streamed.handles.append(module.register_forward_pre_hook(lambda m, args: streamed.enter(m)))
+        streamed.handles.append(module.register_forward_hook(lambda m, args, out: streamed.leave(m),
+                                                             always_call=True))  # fmt: skip
+    for p in {id(p): p for p in replaced.values()}.values():
+        if is_released(p):
+            p.stream_owner = streamed
+    if any(group.slotwise for group in made):
+        eager_experts(model)
     resident_tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if not is_released(t)}
     streamed.held = streamed.peak = sum(_nbytes(t) for t in resident_tensors.values())
     return streamed

@@ -25,7 +25,7 @@ from normswap.errors import NormswapError
 from normswap.fold import FoldPlan, bias_delta, distinct_consumers, scale_and_shift, scale_axis_
 from normswap.io.shards import CheckpointReader
 from normswap.stream.assemble import Group
-from normswap.stream.model import Streamed, StreamedParameter, is_released, read_source
+from normswap.stream.model import Streamed, StreamedParameter, is_released, read_row, read_source
 
 
 @dataclass
@@ -202,3 +202,40 @@ def make_pieces(
     memory), then split back by transformers' reversed converter (``assemble.Group.split``: slices of it)."""
     made = {name: make_tensor(reader, plans, name, device) for name in group.targets}
     return group.split(made)
+
+
+def by_rows(plans: dict[str, TensorPlan], group: Group) -> bool:
+    """Whether ``group``'s output tensors can be made one row (expert) at a time with the same bytes: a
+    slot-wise group (``assemble.Group.slotwise``) whose parameters are read from the checkpoint with no
+    transforms, and only scaled along axes other than the rows' (a fold along the input axis: elementwise,
+    ``fold.scale_axis_``), with no bias shift and no identity fill."""
+    if not group.slotwise:
+        return False
+    for name in group.targets:
+        tp = plans[name]
+        if tp.value is not None or tp.ops or tp.shift or tp.fill is not None:
+            return False
+        if any(axis == 0 for axis, _ in tp.scales):
+            return False
+    return True
+
+
+@torch.no_grad()
+def make_row_pieces(
+    reader: CheckpointReader,
+    plans: dict[str, TensorPlan],
+    group: Group,
+    i: int,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """The output tensors of row ``i`` of ``group`` (``by_rows``): the row of each parameter made from its
+    own checkpoint tensors (``read_row``), folded as ``make_tensor`` folds the whole, split back by the
+    reversed converter (``assemble.Group.split_slot``); ``make_pieces``' tensors of that row, bit for bit."""
+    rows = {}
+    for name in group.targets:
+        tp = plans[name]
+        t = read_row(reader, tp.source, group, tp.dtype, device, i).unsqueeze(0)
+        for axis, scale in tp.scales:
+            scale_axis_(t, scale.to(t.device), axis)
+        rows[name] = t
+    return group.split_slot(rows, i)
