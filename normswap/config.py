@@ -19,7 +19,7 @@ ROTATE_KINDS = ("hadamard", "random", "learned")
 ROTATE_TARGETS = tuple(name for name, s in SCHEMES.items() if s.library is None)  # rotate.learn.TARGETS
 # rotate="learned": the defaults of normswap.rotate.learn.Settings (measured to fit SmolLM2-135M in 20 minutes
 # on 2 CPU cores, docs/ROTATION.md), and the options that set them
-LEARN_DEFAULTS = {"target": "a4", "steps": 40, "batch": 2, "length": 256, "samples": 64, "lr": 1e-3}
+LEARN_DEFAULTS = {"target": "a4", "steps": 40, "batch": 1, "length": 256, "samples": 64, "lr": 1e-3}
 LEARN_OPTIONS = tuple(f"rotate_{name}" for name in LEARN_DEFAULTS) + ("rotate_calibration",)
 LEARN_ONLY = "rotate_target=..., rotate_steps=... and the other learning options need rotate='learned'"
 LEARNED_VS_STREAM = (

@@ -276,6 +276,7 @@ class Proxy(TorchFunctionMode):
 
 
 def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of ``model`` on ``ids`` (``(B, L)``), float32."""
     logits = model(input_ids=ids, use_cache=False).logits.float()
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
