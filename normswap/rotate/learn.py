@@ -339,9 +339,10 @@ def learn(
         ``Learned``: ``R`` in float64 (Cayley of the trained ``P`` computed in float64) and the losses.
 
     Raises:
-        ValueError: fewer calibration windows than ``settings.batch``, windows of different lengths, or a
-            proxy that does not compute the model's function (``proxy_error`` beyond float rounding: a use
-            of a rotated tensor that ``Proxy`` does not see).
+        ValueError: fewer calibration windows than ``settings.batch``, or windows of different lengths.
+        normswap.rotate.RotationError: a proxy that does not compute the model's function (``proxy_error``
+            beyond float rounding: a use of a rotated tensor that ``Proxy`` does not see; one line, the CLI
+            exits 2).
     """
     from tqdm.auto import tqdm
 
@@ -358,9 +359,11 @@ def learn(
         scale = 1.0 + float(model(input_ids=windows[:1], use_cache=False).logits.abs().max())
     bound = 1e-3 if dtype == torch.float32 else (1e-10 if dtype == torch.float64 else 5e-2)
     if not error <= bound * scale:
-        raise ValueError(
-            f"the learning proxy does not compute the rotated model's function: logits differ by {error:.3g} "
-            "for a random R (a use of a rotated tensor it does not see)"
+        from normswap.rotate.plan import RotationError
+
+        raise RotationError(
+            f"cannot learn the rotation: the learning proxy does not compute the rotated model's function "
+            f"(logits differ by {error:.3g} for a random R: a use of a rotated tensor it does not see)"
         )
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     order: list[int] = []
