@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from normswap import progress, stop
-from normswap.config import NORM_CHOICES, ROTATE_KINDS, cli_wording
+from normswap.config import LEARN_DEFAULTS, NORM_CHOICES, ROTATE_KINDS, ROTATE_TARGETS, cli_wording
 from normswap.errors import NormswapError
 from normswap.options import DTYPE_CHOICES, OutputPath, device_option, model_name, size_option
 
@@ -320,9 +320,10 @@ def main() -> None:
     type=click.Choice(ROTATE_KINDS),
     default=None,
     help="After folding, rotate the residual stream by an orthogonal Q: a randomized Hadamard matrix (a "
-    "random orthogonal one where no construction reaches the hidden size) or a random orthogonal one. Hidden "
-    "states become the original's (centered, for LayerNorm models) times Q, saved in "
-    "OUT/normswap/rotation.safetensors (docs/ROTATION.md).",
+    "random orthogonal one where no construction reaches the hidden size), a random orthogonal one, or one "
+    "learned from the Hadamard one for a fake quantizer on calibration text (learned: minutes; see "
+    "--rotate-target). Hidden states become the original's (centered, for LayerNorm models) times Q, saved "
+    "in OUT/normswap/rotation.safetensors (docs/ROTATION.md).",
 )
 @click.option(
     "--rotate-seed",
@@ -335,6 +336,51 @@ def main() -> None:
     "--rotate-heads",
     is_flag=True,
     help="With --rotate, also rotate each attention head's values and output projection by one H.",
+)
+@click.option(
+    "--rotate-target",
+    type=click.Choice(ROTATE_TARGETS),
+    default=None,
+    help="With --rotate learned: the fake quantization (as eval --quantize) Q is learned for "
+    f"[default: {LEARN_DEFAULTS['target']}].",
+)
+@click.option(
+    "--rotate-steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help=f"With --rotate learned: optimizer steps [default: {LEARN_DEFAULTS['steps']}].",
+)
+@click.option(
+    "--rotate-batch",
+    type=click.IntRange(min=1),
+    default=None,
+    help=f"With --rotate learned: calibration windows per step [default: {LEARN_DEFAULTS['batch']}].",
+)
+@click.option(
+    "--rotate-length",
+    type=click.IntRange(min=2),
+    default=None,
+    help=f"With --rotate learned: tokens per calibration window [default: {LEARN_DEFAULTS['length']}].",
+)
+@click.option(
+    "--rotate-samples",
+    type=click.IntRange(min=1),
+    default=None,
+    help=f"With --rotate learned: calibration windows in all [default: {LEARN_DEFAULTS['samples']}].",
+)
+@click.option(
+    "--rotate-lr",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="With --rotate learned: Adam's learning rate, decayed linearly to 0 "
+    f"[default: {LEARN_DEFAULTS['lr']}].",
+)
+@click.option(
+    "--rotate-calibration",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="With --rotate learned: UTF-8 text to learn on [default: the end of Python's pydoc topics, "
+    "which eval does not read by default].",
 )
 @size_option(
     "--max-memory",
@@ -350,8 +396,9 @@ def main() -> None:
     "original's: the final norm is not folded into lm_head, and the check requires each to match.",
 )
 def convert(model, output, report, norm, dtype, trust_remote_code, device, device_map, tokens, force,
-            overwrite, no_untie, tokenizer_name, rotate, rotate_seed, rotate_heads, max_memory, no_stream,
-            keep_hidden_states):  # fmt: skip
+            overwrite, no_untie, tokenizer_name, rotate, rotate_seed, rotate_heads, rotate_target,
+            rotate_steps, rotate_batch, rotate_length, rotate_samples, rotate_lr, rotate_calibration,
+            max_memory, no_stream, keep_hidden_states):  # fmt: skip
     """Fold and swap every norm of MODEL, check the logits, save to --output and verify the saved copy."""
     stages = _stages(output)  # before the imports: an interrupt names the output from the start
     from normswap.config import ConvertOptions, OptionError
@@ -363,7 +410,10 @@ def convert(model, output, report, norm, dtype, trust_remote_code, device, devic
             norm=norm, dtype=dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code,
             tokens=tokens, tokenizer=tokenizer_name, force=force, overwrite=overwrite, untie=not no_untie,
             keep_hidden_states=keep_hidden_states, rotate=rotate, rotate_seed=rotate_seed,
-            rotate_heads=rotate_heads, max_memory=max_memory, no_stream=no_stream,
+            rotate_heads=rotate_heads, rotate_target=rotate_target, rotate_steps=rotate_steps,
+            rotate_batch=rotate_batch, rotate_length=rotate_length, rotate_samples=rotate_samples,
+            rotate_lr=rotate_lr, rotate_calibration=rotate_calibration, max_memory=max_memory,
+            no_stream=no_stream,
         )  # fmt: skip
     except OptionError as error:
         if error.usage:

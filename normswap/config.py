@@ -7,13 +7,25 @@ refused here, in one place, before anything is loaded.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from normswap.errors import NormswapError
 from normswap.options import DTYPE_CHOICES, parse_size
+from normswap.quantize import SCHEMES
 
 NORM_CHOICES = ("keep", "rmsnorm")
-ROTATE_KINDS = ("hadamard", "random")
+ROTATE_KINDS = ("hadamard", "random", "learned")
+ROTATE_TARGETS = tuple(name for name, s in SCHEMES.items() if s.library is None)  # rotate.learn.TARGETS
+# rotate="learned": the defaults of normswap.rotate.learn.Settings (measured to fit SmolLM2-135M in 20 minutes
+# on 2 CPU cores, docs/ROTATION.md), and the options that set them
+LEARN_DEFAULTS = {"target": "a4", "steps": 40, "batch": 1, "length": 256, "samples": 64, "lr": 1e-3}
+LEARN_OPTIONS = tuple(f"rotate_{name}" for name in LEARN_DEFAULTS) + ("rotate_calibration",)
+LEARN_ONLY = "rotate_target=..., rotate_steps=... and the other learning options need rotate='learned'"
+LEARNED_VS_STREAM = (
+    "rotate='learned' learns Q on a copy of the model in memory: it cannot stream (max_memory=...); "
+    "convert in memory (drop max_memory=...), or use rotate='hadamard'"
+)
 KEEP_VS_CENTER = (
     "norm='rmsnorm' centers the residual stream, which moves every hidden state by its mean: it cannot keep "
     "the hidden states (keep_hidden_states=True); drop one of the two"
@@ -22,14 +34,17 @@ KEEP_VS_ROTATE = (
     "rotate=... rotates the residual stream, which turns every hidden state h into h Q: it cannot keep the "
     "hidden states (keep_hidden_states=True); drop one of the two"
 )
-ROTATE_ONLY = "rotate_heads=True and rotate_seed=... need rotate='hadamard'|'random'"
+ROTATE_ONLY = "rotate_heads=True and rotate_seed=... need rotate='hadamard'|'random'|'learned'"
 DEVICE_MAP_VS_STREAM = "device_map=... is not available when streaming (max_memory=...); give device=..."
 
 # an option's Python wording in a message -> its CLI wording (``cli_wording``)
 _API_TO_CLI = {
     "rotate_heads=True": "--rotate-heads",
     "rotate_seed=...": "--rotate-seed",
-    "rotate='hadamard'|'random'": "--rotate hadamard|random",
+    "rotate='hadamard'|'random'|'learned'": "--rotate hadamard|random|learned",
+    "rotate='learned'": "--rotate learned",
+    "rotate='hadamard'": "--rotate hadamard",
+    "rotate_target=..., rotate_steps=...": "--rotate-target, --rotate-steps",
     "device_map=...": "--device-map",
     "max_memory=...": "--max-memory",
     "device=...": "--device",
@@ -78,9 +93,15 @@ class ConvertOptions:
         untie: fold the final norm into a tied ``lm_head`` by giving it its own tensor (``--no-untie``:
             False).
         keep_hidden_states: keep every hidden state the original's (the final norm is not folded).
-        rotate: None, ``"hadamard"`` or ``"random"``: rotate the residual stream after folding.
+        rotate: None, ``"hadamard"``, ``"random"`` or ``"learned"``: rotate the residual stream after folding
+            (``"learned"``: ``Q`` trained from the randomized Hadamard one for a fake quantizer,
+            ``normswap.rotate.learn``; in memory only).
         rotate_seed: seed of the rotation's random draws, 0 to 2**63 - 1.
         rotate_heads: also rotate each attention head's values and output projection.
+        rotate_target, rotate_steps, rotate_batch, rotate_length, rotate_samples, rotate_lr: how
+            ``"learned"`` learns (``normswap.rotate.learn.Settings``; None: its default).
+        rotate_calibration: a UTF-8 text file ``"learned"`` trains on (None: the end of Python's pydoc
+            topics, which ``normswap eval`` does not read by default).
         max_memory: hold at most about this many bytes of weights (an int, or a size such as ``"2GiB"``:
             ``normswap.options.parse_size``); a larger safetensors model is streamed.
         no_stream: convert in memory even when the model would not fit.
@@ -104,6 +125,13 @@ class ConvertOptions:
     rotate: str | None = None
     rotate_seed: int = 0
     rotate_heads: bool = False
+    rotate_target: str | None = None
+    rotate_steps: int | None = None
+    rotate_batch: int | None = None
+    rotate_length: int | None = None
+    rotate_samples: int | None = None
+    rotate_lr: float | None = None
+    rotate_calibration: str | None = None
     max_memory: int | str | None = None
     no_stream: bool = False
 
@@ -125,12 +153,39 @@ class ConvertOptions:
             raise OptionError(f"max_memory must be positive, not {self.max_memory}")
         if self.rotate is None and (self.rotate_heads or self.rotate_seed != 0):
             raise OptionError(ROTATE_ONLY, usage=True)
+        self._learning()
         if self.keep_hidden_states and self.norm == "rmsnorm":
             raise OptionError(KEEP_VS_CENTER)
         if self.keep_hidden_states and self.rotate is not None:
             raise OptionError(KEEP_VS_ROTATE)
         if self.device_map is not None and self.max_memory is not None:
             raise OptionError(DEVICE_MAP_VS_STREAM)
+
+    def _learning(self) -> None:
+        """The learning options: only with rotate='learned', each in its range; not streamed."""
+        given = [name for name in LEARN_OPTIONS if getattr(self, name) is not None]
+        if given and self.rotate != "learned":
+            raise OptionError(LEARN_ONLY, usage=True)
+        if self.rotate_target is not None:
+            _choice("rotate_target", self.rotate_target, ROTATE_TARGETS)
+        for name, least in [("rotate_steps", 1), ("rotate_batch", 1), ("rotate_length", 2),
+                            ("rotate_samples", 1)]:  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise OptionError(f"{name} must be an integer of at least {least}, not {value!r}")
+        lr = self.rotate_lr
+        if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise OptionError(f"rotate_lr must be a positive number, not {lr!r}")
+        if self.rotate_samples is not None and self.rotate_samples < (self.rotate_batch or 1):
+            raise OptionError(f"rotate_samples ({self.rotate_samples}) must be at least rotate_batch "
+                              f"({self.rotate_batch})")  # fmt: skip
+        if self.rotate == "learned" and self.max_memory is not None:
+            raise OptionError(LEARNED_VS_STREAM)
+
+    def learn_settings(self) -> dict:
+        """The learning options given (not None), as ``normswap.rotate.learn.Settings``' keyword arguments."""
+        return {name.removeprefix("rotate_"): getattr(self, name) for name in LEARN_OPTIONS[:-1]
+                if getattr(self, name) is not None}  # fmt: skip
 
     @classmethod
     def of(cls, options: dict) -> ConvertOptions:

@@ -390,6 +390,9 @@ def convert(
     rotate_seed: int = 0,
     rotate_heads: bool = False,
     keep_hidden_states: bool = False,
+    rotate_learn=None,
+    rotate_calibration: list[torch.Tensor] | None = None,
+    rotate_progress: bool = False,
 ) -> ConvertReport:
     """Fold every foldable norm into its consumers and swap every norm for a fused module, in place.
 
@@ -411,13 +414,20 @@ def convert(
         traced: a ``normswap.walk.walk(model, inputs)`` of this model taken just before (so a caller that
             needed the sites first, e.g. to record a reference, does not trace twice); walked here if None.
             With ``keep_hidden_states`` it must have been walked with ``keep_hidden_states=True`` too.
-        rotate: ``"hadamard"`` or ``"random"``: after folding, rotate the residual stream by an orthogonal
-            ``Q`` (hidden x hidden; a randomized Hadamard matrix where a construction is known, else a
-            seeded random orthogonal one); a LayerNorm model is centered first (as ``norm="rmsnorm"``) and
-            gets a ``Q`` with ``Q 1 = 1``. Every hidden state becomes the original's (centered) times ``Q``
-            (``report.rotation``, docs/ROTATION.md). Needs ``fold``.
+        rotate: ``"hadamard"``, ``"random"`` or ``"learned"``: after folding, rotate the residual stream by
+            an orthogonal ``Q`` (hidden x hidden; a randomized Hadamard matrix where a construction is known,
+            else a seeded random orthogonal one); a LayerNorm model is centered first (as
+            ``norm="rmsnorm"``) and gets a ``Q`` with ``Q 1 = 1``. Every hidden state becomes the original's
+            (centered) times ``Q`` (``report.rotation``, docs/ROTATION.md). Needs ``fold``.
         rotate_seed: seed of the rotation's random signs or Gaussian matrix, in ``[0, 2**63 - 1]``.
         rotate_heads: also rotate each attention head's values and output projection (``--rotate-heads``).
+            With ``"learned"``: ``Q = Q0 R``, ``Q0`` the randomized Hadamard matrix of ``rotate_seed`` and
+            ``R`` trained so that a copy of the model rotated by ``Q0`` and fake-quantized loses least on
+            ``rotate_calibration`` (``normswap.rotate.learn``; ``H`` stays the randomized Hadamard one).
+        rotate_learn: ``normswap.rotate.learn.Settings`` for ``"learned"`` (None: its defaults).
+        rotate_calibration: ``(1, L)`` long tensors of token ids that ``"learned"`` trains on (at least
+            ``rotate_learn.samples`` of one length ``L >= rotate_learn.length``, cut to that length; needed).
+        rotate_progress: show the learning's progress bar (tqdm, with the loss).
         keep_hidden_states: keep every hidden state the model returns (``output_hidden_states``, the base
             model's ``last_hidden_state``) the original's: a norm whose output is returned (the final norm) is
             not folded into the head, and centering and rotation, which move every hidden state, are refused.
@@ -448,10 +458,10 @@ def convert(
         raise NormswapError(f"{_model_name(model)}: {no_norms_message(result)}")
     rotation_plan = None
     if rotate is not None:
-        from normswap.rotate import KINDS, plan_rotation
+        from normswap.rotate import KINDS, LEARNED, plan_rotation
 
-        if rotate not in KINDS:
-            raise ValueError(f"rotate must be one of {KINDS}, got {rotate!r}")
+        if rotate not in (*KINDS, LEARNED):
+            raise ValueError(f"rotate must be one of {(*KINDS, LEARNED)}, got {rotate!r}")
         if not 0 <= int(rotate_seed) < 2**63:  # torch.Generator's range; negatives would alias large seeds
             raise ValueError(f"rotate_seed must be in [0, 2**63 - 1], got {rotate_seed}")
         if not fold:
@@ -459,6 +469,10 @@ def convert(
         # checkpoint tensors the class does not run (an MTP layer) would read a rotated stream: the CLI
         # refuses them before converting, save_converted(input_path=...) before writing (normswap.io.carry)
         rotation_plan = plan_rotation(model, result, inputs, untie=untie, heads=rotate_heads)
+    learned = None
+    if rotate == "learned":  # from a copy of the model as it is now: nothing changed yet
+        learned = _learn(model, untie, rotate_seed, rotate_heads, rotate_learn, rotate_calibration,
+                         rotate_progress, input_ids=input_ids, example_inputs=example_inputs)  # fmt: skip
     centering = not_centered = None
     if norm == "rmsnorm":
         from normswap.center import center
@@ -493,13 +507,21 @@ def convert(
             stream = set(rotation_plan.stream_sites)  # these fold in the rotation's float64 pass
             try:
                 report.rotation = fold_and_rotate(
-                    model, rotation_plan, result.sites, folding, rotate, rotate_seed
+                    model,
+                    rotation_plan,
+                    result.sites,
+                    folding,
+                    rotate,
+                    rotate_seed,
+                    matrices=None if learned is None else learned[0],
                 )
             except RotationError:
                 untied.restore()
                 raise
             report.rotation.centered = centering is not None and centering.note is None
             report.rotation.not_centered = not_centered
+            if learned is not None:
+                report.rotation.learned = learned[1]
             describe_inputs(model, report.rotation, centering)
         report.untied = untied.names
         report.untie_bytes = folding.untie_bytes
@@ -524,3 +546,39 @@ def convert(
     if swap:
         report.norms_swapped = swap_norms(model, result.sites)
     return report
+
+
+def _learn(model, untie, seed, heads, settings, calibration, progress, **trace):
+    """``rotate="learned"``: ``({"Q": learned, "H": ...}, the report's record)`` from a copy of ``model``
+    rotated by the randomized Hadamard ``Q0`` of ``seed`` (``normswap.rotate.learn``); ``model`` is not
+    changed.
+
+    Raises:
+        ValueError: no or too little calibration, or a proxy that does not compute the copy's function.
+    """
+    import copy
+
+    from normswap.rotate import learn
+    from normswap.rotate.matrix import Matrix
+
+    settings = settings if settings is not None else learn.Settings()
+    windows = learn.windows(calibration, settings)
+    twin = copy.deepcopy(model)
+    try:
+        first = convert(twin, untie=untie, swap=False, rotate="hadamard", rotate_seed=seed,
+                        rotate_heads=heads, **trace)  # fmt: skip
+        q0 = first.rotation.matrices["Q"]
+        keep_ones = q0.keeps_ones
+        done = learn.learn(twin, first.rotation.tensors, windows, settings, seed=seed, keep_ones=keep_ones,
+                           progress=progress)  # fmt: skip
+    finally:
+        del twin
+    q = learn.compose(q0.values, done.r)
+    description = (
+        f"learned Q0 R: Q0 = {q0.description}; R trained for {settings.target} "
+        f"({settings.steps} steps, loss {done.losses[0]:.4f} -> {done.final_loss:.4f} on the first batch)"
+    )
+    matrices = {"Q": Matrix("Q", q, "learned", description, keep_ones)}
+    if "H" in first.rotation.matrices:
+        matrices["H"] = first.rotation.matrices["H"]
+    return matrices, learn.record(settings, done, q0.description)

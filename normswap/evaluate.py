@@ -487,10 +487,10 @@ def _fmt(value, spec: str) -> str:
               "checkout).")  # fmt: skip
 @click.option("--quantize", "schemes", multiple=True, type=click.Choice(list(SCHEMES)), metavar="SCHEME",
               help="Also evaluate both models quantized the same way (repeatable): a8, a6, a4 (per-token "
-              "activations at every linear op's input), w4 (weights per output channel), round-to-nearest in "
-              "torch; w8a8, w4a16, w4a16-gptq, w4a8-gptq through llm-compressor (`pip install -e "
-              "'.[quant]'`); lm_head left out; perplexity and KL to the float original, side by "
-              "side.")  # fmt: skip
+              "activations at every linear op's input), w4 (weights per output channel), w4a4 (both), "
+              "round-to-nearest in torch; w8a8, w4a16, w4a16-gptq, w4a8-gptq through llm-compressor "
+              "(`pip install -e '.[quant]'`); lm_head left out; perplexity and KL to the float original, "
+              "side by side.")  # fmt: skip
 @click.option("--calibration", "calibration_file", type=click.Path(exists=True, dir_okay=False),
               help="UTF-8 text the GPTQ schemes calibrate on [default: the end of pydoc topics, not the "
               "evaluation text].")  # fmt: skip

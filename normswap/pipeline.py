@@ -171,13 +171,18 @@ def _convert_in_memory(model, output, options, stages, report, report_file) -> C
     # (centering.json, normswap/inputs_embeds.json); taken before the conversion changes the table
     moves = o.norm == "rmsnorm" or o.rotate is not None
     embeds = original_embeds(loaded.model, input_ids) if moves else None
+    learning = learn_inputs(model, o, loaded.tokenizer) if o.rotate == "learned" else {}
     rotating = f", rotating ({o.rotate})" if o.rotate else ""
+    if learning:
+        s = learning["rotate_learn"]
+        rotating += f": learning Q for {s.target}, {s.steps} steps of {s.batch} x {s.length} tokens"
     stages.start("convert", "folding and swapping the norms" + rotating)
     traced_with = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
     with rotation_refused():
         result = convert_model(loaded.model, norm=o.norm, untie=o.untie, traced=traced, rotate=o.rotate,
                                rotate_seed=o.rotate_seed, rotate_heads=o.rotate_heads,
-                               keep_hidden_states=o.keep_hidden_states, **traced_with)  # fmt: skip
+                               keep_hidden_states=o.keep_hidden_states, **traced_with,
+                               **learning)  # fmt: skip
     if result.rotation is not None:  # the original's stream records, as the rotated model computes them
         rotate_reference(reference, result.rotation)
     stages.start("check", "comparing the converted model's outputs with the original's")
@@ -249,6 +254,12 @@ def _convert_streamed(model: str, output: Path, options: ConvertOptions, stages)
     )  # fmt: skip
     if not choice.stream:
         return None
+    if o.rotate == "learned":
+        raise NormswapError(
+            f"{model}: --rotate learned learns Q on a copy of the model in memory, and this model would be "
+            f"streamed ({choice.reason or 'it does not fit the memory available'}): convert with "
+            "--no-stream if two copies fit, or use --rotate hadamard"
+        )
     source = choice.source
     if choice.reason and dist.is_main():
         progress.say(f"{model}: {choice.reason}")
@@ -270,6 +281,41 @@ def _convert_streamed(model: str, output: Path, options: ConvertOptions, stages)
     if not dist.is_main():
         return None, passed
     return report_dict, passed
+
+
+EVAL_CHARS = 8 * 2048  # what `normswap eval` reads of pydoc topics by default (8 x its --max-tokens)
+
+
+def learn_inputs(model: str, options: ConvertOptions, tokenizer) -> dict:
+    """``convert``'s keyword arguments for ``rotate="learned"``: the settings (``normswap.rotate.learn.
+    Settings``, from the options) and the calibration windows, tokenized from ``options.rotate_calibration``
+    or the end of Python's pydoc topics (as ``eval --quantize``'s GPTQ calibration: not the text ``eval``
+    reads by default, nor the check's).
+
+    Raises:
+        NormswapError: no tokenizer, or a calibration text too short for the windows asked for.
+    """
+    from normswap.check.text import default_text
+    from normswap.evaluate import calibration_windows
+    from normswap.rotate import learn
+
+    if tokenizer is None:
+        raise NormswapError(
+            f"{model}: --rotate learned learns on text and needs the model's tokenizer files; "
+            "use --rotate hadamard"
+        )
+    file = options.rotate_calibration
+    source = str(file) if file is not None else "the end of pydoc_data.topics"
+    settings = learn.Settings(**options.learn_settings(), calibration=source)
+    try:
+        windows = calibration_windows(tokenizer, file, settings.samples, settings.length,
+                                      eval_chars=len(default_text(EVAL_CHARS)))  # fmt: skip
+    except NormswapError as error:  # eval's option names -> convert's
+        message = str(error).replace("--calibration-length", "--rotate-length")
+        message = message.replace("--calibration-samples", "--rotate-samples")
+        message = message.replace("--calibration", "--rotate-calibration")
+        raise NormswapError(f"--rotate learned: {message}") from None
+    return {"rotate_learn": settings, "rotate_calibration": windows, "rotate_progress": progress.showing()}
 
 
 @contextlib.contextmanager

@@ -685,7 +685,7 @@ def test_docs_synopsis_lists_every_option(command):
     [
         (["convert", "llama", "-o", "x", "--rotate", "random", "--rotate-seed", "-1"], "'--rotate-seed': -1"),
         (["convert", "llama", "-o", "x", "--tokens", "0"], "'--tokens': 0 is not in the range"),
-        (["convert", "llama", "-o", "x", "--rotate-seed", "3"], "need --rotate hadamard|random"),
+        (["convert", "llama", "-o", "x", "--rotate-seed", "3"], "need --rotate hadamard|random|learned"),
         (["convert", "llama", "--frob"], "No such option '--frob'"),
         (["inspect"], "Missing argument 'MODEL'"),
     ],

@@ -87,7 +87,7 @@ def test_api_writes_what_the_cli_writes(case, saved, tmp_path):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"rotate_heads": True}, "rotate_heads=True and rotate_seed=... need rotate='hadamard'|'random'"),
+        ({"rotate_heads": True}, "rotate_heads=True and rotate_seed=... need rotate='hadamard'|'random'|"),
         ({"norm": "rmsnorm", "keep_hidden_states": True}, "norm='rmsnorm' centers the residual stream"),
         ({"rotate": "hadamard", "keep_hidden_states": True}, "rotate=... rotates the residual stream"),
         ({"device_map": "auto", "max_memory": "1GB"}, "device_map=... is not available when streaming"),
@@ -108,7 +108,7 @@ def test_the_cli_says_the_same_refusals_in_its_own_words(saved, tmp_path):
     src, _ = saved["llama"]
     ran = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "o"), "--rotate-heads"])
     assert ran.exit_code == 2
-    assert "--rotate-heads and --rotate-seed need --rotate hadamard|random" in ran.stderr
+    assert "--rotate-heads and --rotate-seed need --rotate hadamard|random|learned" in ran.stderr
     ran = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "o"), "--device-map", "auto",
                                     "--max-memory", "1GB"])  # fmt: skip
     assert ran.exit_code == 2

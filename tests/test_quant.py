@@ -103,7 +103,7 @@ def test_rtn_keeps_dtype_and_rounds_in_float32():
 
 def test_schemes_table_and_unknown_name():
     own = {n: (s.activation_bits, s.weight_bits) for n, s in SCHEMES.items() if s.library is None}
-    assert own == {"a8": (8, None), "a6": (6, None), "a4": (4, None), "w4": (None, 4)}
+    assert own == {"a8": (8, None), "a6": (6, None), "a4": (4, None), "w4": (None, 4), "w4a4": (4, 4)}
     library = {n: (s.activation_bits, s.weight_bits, s.group_size, s.method)
                for n, s in SCHEMES.items() if s.library == "llmcompressor"}  # fmt: skip
     assert library == {"w8a8": (8, 8, None, "rtn"), "w4a16": (None, 4, 64, "rtn"),

@@ -21,7 +21,8 @@ normswap's own schemes (:data:`SCHEMES` with ``library`` None), symmetric round-
 ``max |x| / L`` over each slice:
 
 * ``a8``, ``a6``, ``a4``: the input of every linear op, per token (one scale per row of the last axis);
-* ``w4``: the weight of every linear op, per output channel (one scale per output feature).
+* ``w4``: the weight of every linear op, per output channel (one scale per output feature);
+* ``w4a4``: both (``a4`` and ``w4``), the target ``--rotate learned`` trains for by default.
 
 With llm-compressor installed (the ``quant`` extra, in an environment of its own: it pins transformers),
 ``w8a8`` (8-bit weights per channel, 8-bit dynamic per-token activations), ``w4a16`` (4-bit weights in groups
@@ -72,6 +73,7 @@ SCHEMES: dict[str, Scheme] = {
     "a6": Scheme("a6", activation_bits=6),
     "a4": Scheme("a4", activation_bits=4),
     "w4": Scheme("w4", weight_bits=4),
+    "w4a4": Scheme("w4a4", activation_bits=4, weight_bits=4),
     "w8a8": Scheme("w8a8", activation_bits=8, weight_bits=8, library="llmcompressor"),
     "w4a16": Scheme("w4a16", weight_bits=4, group_size=64, library="llmcompressor"),
     "w4a16-gptq": Scheme("w4a16-gptq", weight_bits=4, group_size=64, library="llmcompressor", method="gptq"),

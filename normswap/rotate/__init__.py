@@ -17,7 +17,9 @@ The steps, one module each:
 * ``heads``: the per-head value/output rotation (``rotate_heads``);
 * ``apply``: which tensor changes how (``plan_changes``, shared by the in-memory and the streamed
   conversion), the float64 arithmetic, each tensor rounded once; the record ``TensorRotation``;
-* ``report``: the CLI's lines and the check of the saved matrices.
+* ``report``: the CLI's lines and the check of the saved matrices;
+* ``learn``: ``rotate="learned"``: ``Q = Q0 R`` with ``R`` trained for a fake quantizer on calibration text,
+  starting from the randomized Hadamard ``Q0`` (imported on use: it needs the quantizer).
 
 ``normswap.convert(model, rotate="hadamard")`` runs them around the fold (``fold_and_rotate``; a streamed
 conversion runs the same on a model whose weights stay on disk); ``Rotation`` is what it returns
@@ -40,6 +42,7 @@ from normswap.rotate.report import check_saved, rotate_reference, summary_lines
 
 __all__ = [
     "KINDS",
+    "LEARNED",
     "ROTATION_FILE",
     "Changes",
     "Rotation",
@@ -58,6 +61,7 @@ __all__ = [
     "transform",
 ]
 
+LEARNED = "learned"  # rotate="learned": Q learned from the randomized Hadamard one (normswap.rotate.learn)
 ROTATION_FILE = "normswap/rotation.safetensors"  # in a subfolder: loaders that glob *.safetensors skip it
 log = logging.getLogger("normswap")
 
@@ -77,7 +81,7 @@ class Rotation:
     """A rotation as applied: the matrices, and what was done to each tensor.
 
     Attributes:
-        kind: the kind asked for (``"hadamard"`` or ``"random"``).
+        kind: the kind asked for (``"hadamard"``, ``"random"`` or ``"learned"``).
         seed: the generator's seed.
         matrices: ``"Q"`` (the residual stream's, hidden x hidden) and ``"H"`` (per head, with heads).
         tensors: one ``TensorRotation`` per changed tensor.
@@ -87,6 +91,8 @@ class Rotation:
         inputs: what the rotated model expects as ``inputs_embeds``: the map from the original's vectors
             (``normswap.rotate.inputs.describe``, JSON-ready; ``verified`` once proved on the check's ids;
             saved as ``normswap.rotate.inputs.FILE``), or None before it is described.
+        learned: for ``kind == "learned"``, how ``Q`` was learned (``normswap.rotate.learn.record``: the
+            settings, calibration text, losses, time), JSON-ready; else None.
     """
 
     kind: str
@@ -98,6 +104,7 @@ class Rotation:
     not_centered: str | None = None
     kept_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # kept-bias norm -> its float64 scale
     inputs: dict[str, Any] | None = None
+    learned: dict[str, Any] | None = None
 
     @property
     def Q(self) -> torch.Tensor:  # noqa: N802 - the matrix's name in every paper
@@ -152,11 +159,12 @@ class Rotation:
             "kept_bias": list(plan.kept_bias) if plan else [],
             "returned": list(plan.returned) if plan else [],
             "tensors": [t.to_dict() for t in self.tensors],
+            **({"learned": self.learned} if self.learned is not None else {}),
         }
 
 
 def fold_and_rotate(model, plan: RotationPlan, sites, folding, kind: str, seed: int, *, defer=None,
-                    read=None) -> Rotation:  # fmt: skip
+                    read=None, matrices: dict[str, Matrix] | None = None) -> Rotation:  # fmt: skip
     """Fold the stream norms of ``folding`` and rotate ``model`` in place (``apply``); the ``Rotation``.
 
     Args:
@@ -168,13 +176,15 @@ def fold_and_rotate(model, plan: RotationPlan, sites, folding, kind: str, seed: 
             (the caller folds the others).
         kind, seed: the matrices' (``make_matrices``).
         defer, read: as ``apply``'s (``normswap.stream.transforms.rotate`` passes them).
+        matrices: the matrices to apply (``"Q"``, and ``"H"`` with heads; a learned ``Q``) instead of
+            drawing them with ``make_matrices``.
 
     Raises:
         RotationError: a value would leave its dtype's range (``apply``; nothing changed when raised here).
     """
     from normswap.fold import scale_and_shift
 
-    matrices = make_matrices(plan, kind, seed)
+    matrices = matrices if matrices is not None else make_matrices(plan, kind, seed)
     folded = {s.name for s in folding.sites} & set(plan.stream_sites)
     by_name = {s.name: s for s in sites}
     kept = {n: scale_and_shift(by_name[n], model.get_submodule(n))[0] for n in plan.kept_bias}

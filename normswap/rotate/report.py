@@ -23,6 +23,13 @@ def summary_lines(rotation: dict[str, Any]) -> list[str]:
     heads = rotation["matrices"].get("H")
     if heads:
         lines.append(f"          heads: H {heads['size']} x {heads['size']}: {heads['description']}")
+    learned = rotation.get("learned")
+    if learned:
+        lines.append(
+            f"          learned for {learned['target']}: {learned['steps']} steps of {learned['batch']} x "
+            f"{learned['length']} tokens of {learned['calibration']}, loss {learned['loss_first']:.4f} -> "
+            f"{learned['loss_after_on_first_batch']:.4f} on the first batch ({learned['seconds']:.0f} s)"
+        )
     norms, tensors = len(rotation["stream_norms"]), len(rotation["tensors"])
     lines.append(f"          {norms} stream norms, {tensors} tensors changed; saved as {rotation['file']}")
     centered = " (centered)" if rotation.get("centered") else ""
