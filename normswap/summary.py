@@ -7,6 +7,7 @@ from pathlib import Path
 from normswap import progress
 from normswap.check.contract import BY_DESIGN, lines
 from normswap.check.policy import verdict_line
+from normswap.check.routing import line as routing_line
 from normswap.io.verify import describe
 from normswap.rotate import summary_lines
 
@@ -98,6 +99,8 @@ def summary(report: dict, output: Path | None, report_path: Path | None) -> str:
         if check.get("divergence"):
             lines.append(f"          first divergence: {check['divergence'].get('description')}")
         lines += contract_lines(check, report)
+        if check.get("routing"):
+            lines.append(f"routing:  {routing_line(check['routing'], check.get('dtype', ''))}")
     carried = report.get("carried") or {}
     if carried.get("tensors"):
         names = carried["tensors"]

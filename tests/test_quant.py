@@ -268,7 +268,7 @@ def test_cli_eval_quantize_refusals(tmp_path):
 
     args = ["eval", "--model", "x", "--converted", "y"]
     bad = CliRunner().invoke(main, [*args, "--quantize", "a5"])
-    assert bad.exit_code == 2 and "'a5' is not one of 'a8', 'a6', 'a4', 'w4', 'w8a8'" in bad.output
+    assert bad.exit_code == 2 and "'a5' is not one of 'a8', 'a6', 'a4', 'w4', 'w4a4', 'w8a8'" in bad.output
     orig, conv = save_pair(tmp_path, "llama")
     tasks = CliRunner().invoke(main, ["eval", "--model", str(orig), "--converted", str(conv), "--tasks",
                                       "normswap_mc", "--quantize", "a8"])  # fmt: skip

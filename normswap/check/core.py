@@ -15,7 +15,7 @@ import torch
 from normswap.device import exact_float32, model_device
 from normswap.errors import NormswapError
 
-from . import contract
+from . import contract, routing
 from .localize import Capture, Probe, localize, plan_probes, rel_errors
 from .metrics import (
     LogitSummary,
@@ -71,6 +71,9 @@ class Reference:
         rerun: float32 only: returns the original model again (a fresh reload, a rebuild over its shards,
             a kept copy: :func:`reload_original`), which :func:`compare` may change and drops; ``None``
             when it cannot be re-obtained. Called only when the fixed bound misses (``policy``).
+        routing: half precision, for a model that calls ``torch.topk`` (a mixture of experts' router): the
+            float32 original's choices and the original's own run under them (``routing.Routing``), imposed
+            on the converted model by :func:`compare`; ``None`` otherwise.
     """
 
     input_ids: torch.Tensor
@@ -89,6 +92,7 @@ class Reference:
     greedy: torch.Tensor | None = None
     peak_rss_mib: float = 0.0
     rerun: Callable[[], torch.nn.Module] | None = None
+    routing: routing.Routing | None = None
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +134,9 @@ class CheckResult:
     ``max_abs``/``top1`` tolerance leaves the logits' rule final). ``warnings``: lines about the checked
     folder that do not change the verdict by themselves (``contract.StreamTransform.warnings``: a file its
     manifest names is missing, e.g. a rotation's ``Q``, without which the stream is not compared).
+    ``routing``: half precision, for a model that routes with ``torch.topk``: the float32 original's choices
+    were imposed on both runs, and this is ``normswap.check.routing.judge``'s entry (rows each model alone
+    would have routed otherwise, the largest score gap among them, the scores' worst error); else ``None``.
     """
 
     max_abs_logit_diff: float
@@ -162,6 +169,7 @@ class CheckResult:
     float64_reference: dict | None = None
     localized: str | None = None
     warnings: list[str] = field(default_factory=list)
+    routing: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -187,6 +195,8 @@ class CheckResult:
         if self.greedy_tokens:
             lines.append(f"  greedy agreement {self.greedy_agreement:.2%} of {self.greedy_tokens} tokens")
         lines += [f"  {line}" for line in contract.lines(self.contract, self.to_dict())]
+        if self.routing:
+            lines.append(f"  routing: {routing.line(self.routing, self.dtype)}")
         lines += [f"  warning: {w}" for w in self.warnings]
         lines += [f"  failed: {f}" for f in self.failures]
         if self.divergence:
@@ -294,6 +304,17 @@ def upcast(model: torch.nn.Module, dtype: torch.dtype = torch.float32, *, restor
     finally:
         for t, data in saved:
             t.data = data
+
+
+@contextlib.contextmanager
+def _imposed(model: torch.nn.Module, choices):
+    """``routing.Choices(model, replay=choices)`` around a forward when there are choices to impose; else
+    nothing (the forward runs as is) and a context whose ``run`` is an empty ``routing.Run``."""
+    if not choices:
+        yield routing.Choices(model)
+        return
+    with routing.Choices(model, replay=choices) as chosen:
+        yield chosen
 
 
 def _refuse_nonfinite(outputs: torch.Tensor, input_ids: torch.Tensor, kind: str, what: str) -> None:
@@ -408,7 +429,14 @@ def reference_outputs(
     dtype = dtype_name(_model_dtype(model))
     probes = plan_probes(model, sites) if sites else []
     returned = records() if records else {}
-    with Capture(model, probes, input_ids, records and records()) as cap:
+    choices = None
+    if dtype in HALF:  # float32 first: its routing choices are imposed on the run in the model's own dtype
+        returned32 = records() if records else {}
+        with upcast(model), Capture(model, probes, input_ids, records and records()) as cap32:
+            with routing.Choices(model) as recorded:
+                _, up, _ = _forward_all(model, input_ids, returned32)
+        choices = recorded.choices or None
+    with Capture(model, probes, input_ids, records and records()) as cap, _imposed(model, choices) as own:
         kind, outputs, _ = _forward_all(model, input_ids, returned)
     if dtype in HALF and not bool(torch.isfinite(outputs).all()):
         _refuse_overflow(model, input_ids, outputs, kind, dtype)
@@ -416,10 +444,9 @@ def reference_outputs(
     ref = Reference(input_ids, kind, dtype, *_keep(outputs, targets, kind, max_logits_bytes))
     ref.probes, ref.captures, ref.sites, ref.returned = probes, cap.records, list(sites or []), returned
     ref.rerun = rerun
+    if choices:
+        ref.routing = routing.Routing(choices, own.run)
     if dtype in HALF:
-        returned32 = records() if records else {}
-        with upcast(model), Capture(model, probes, input_ids, records and records()) as cap32:
-            _, up, _ = _forward_all(model, input_ids, returned32)
         _refuse_nonfinite(up, input_ids, kind, " in float32")
         ref.captures_error = rel_errors(cap32.records, ref.captures)
         ref.captures = cap32.records
@@ -573,8 +600,10 @@ def compare(
     sites = sites or reference.sites
     names = [s if isinstance(s, str) else s.name for s in sites or ()]
     returned = records() if records else {}
+    choices = reference.routing.choices if reference.routing is not None else None
     with Capture(converted_model, reference.probes, ids, records and records()) as cap:
-        kind, conv, producers = _forward_all(converted_model, ids, returned, names)
+        with _imposed(converted_model, choices) as chosen:
+            kind, conv, producers = _forward_all(converted_model, ids, returned, names)
     ref_out = reference.outputs if reference.outputs is not None else reference.summary
     rows = ids.numel() if _is_ids(ids) else ref_out.shape[0]
     if kind != reference.output or conv.shape[0] != rows:
@@ -612,6 +641,10 @@ def compare(
         sites=[s for s in sites or () if not isinstance(s, str)], keep_hidden_states=keep_hidden_states,
     )  # fmt: skip
     failures += broken
+    routed = None
+    if reference.routing is not None:
+        routed, missed = routing.judge(reference.routing, chosen.run, tol["localize_rtol"], tol.get("k", 0.0))
+        failures += missed
     divergence = None
     if reference.probes:
         divergence = localize(
@@ -674,6 +707,7 @@ def compare(
         float64_reference=f64,
         localized=localized,
         warnings=list(transform.warnings) if transform is not None else [],
+        routing=routed,
     )
 
 
