@@ -46,6 +46,28 @@ def hidden_outputs(model, ids):
         return model(input_ids=ids, output_hidden_states=True, use_cache=False)
 
 
+def assert_smollm2_rotated(out, q: torch.Tensor) -> None:
+    """A rotated SmolLM2-135M output ``out``, loaded fresh in plain transformers (float32), against the
+    original on 64 tokens of the default text: logits within the check's float32 bound (2e-4), every hidden
+    state before the final norm the original's times ``q`` to 1e-5 of that state's largest entry (they reach
+    ~100 in SmolLM2; a correct rotation measures about 4e-7)."""
+    from transformers import AutoModelForCausalLM
+
+    from normswap.check import default_input_ids
+    from normswap.io import load_model
+
+    original = load_model("smollm2-135m")
+    ids = default_input_ids(original.tokenizer, 64)
+    fresh = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    before, after = hidden_outputs(original.model, ids), hidden_outputs(fresh, ids)
+    assert (before.logits - after.logits).abs().max().item() <= 2e-4
+    worst = max(
+        ((h0.double() @ q - h1.double()).abs().max() / h0.double().abs().max()).item()
+        for h0, h1 in zip(before.hidden_states[:-1], after.hidden_states[:-1], strict=True)
+    )
+    assert worst <= 1e-5
+
+
 def assert_rotated(before, after, q: torch.Tensor, centered: bool, tol: float) -> None:
     """A rotation's independent check: the rotated model's logits (``after``, from ``hidden_outputs``) within
     ``tol`` of the original's (``before``), and every hidden state before the final norm the original's

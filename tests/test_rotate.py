@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import assert_rotated, hidden_outputs
+from conftest import assert_rotated, assert_smollm2_rotated, hidden_outputs
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -365,9 +365,6 @@ def test_smollm2_rotated_command(tmp_path):
     plain transformers; its hidden states are the original's times the saved Q."""
     from safetensors.torch import load_file
 
-    from normswap.check import default_input_ids
-    from normswap.io import load_model
-
     out, report = tmp_path / "out", tmp_path / "r.json"
     result = CliRunner().invoke(
         _main(), ["convert", "smollm2-135m", "--rotate", "hadamard", "-o", str(out), "--report", str(report)]
@@ -379,16 +376,7 @@ def test_smollm2_rotated_command(tmp_path):
     assert data["check"]["passed"] and data["verify"]["passed"] and data["check"]["divergence"] is None
     q = load_file(str(out / ROTATION_FILE))["Q"]
     assert "Paley II (q=17) 36" in data["rotation"]["matrices"]["Q"]["description"]
-    original = load_model("smollm2-135m")
-    ids = default_input_ids(original.tokenizer, 64)
-    fresh = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    before, after = hidden_outputs(original.model, ids), hidden_outputs(fresh, ids)
-    assert (before.logits - after.logits).abs().max().item() <= 2e-4  # the check's float32 tolerance
-    worst = max(
-        ((h0.double() @ q - h1.double()).abs().max() / h0.double().abs().max()).item()
-        for h0, h1 in zip(before.hidden_states[:-1], after.hidden_states[:-1], strict=True)
-    )
-    assert worst <= 1e-5  # relative to each state's largest entry (they reach ~100 in SmolLM2)
+    assert_smollm2_rotated(out, q)
 
 
 def test_a_rotation_that_overflows_float16_is_refused():

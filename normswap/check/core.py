@@ -306,15 +306,10 @@ def upcast(model: torch.nn.Module, dtype: torch.dtype = torch.float32, *, restor
             t.data = data
 
 
-@contextlib.contextmanager
 def _imposed(model: torch.nn.Module, choices):
     """``routing.Choices(model, replay=choices)`` around a forward when there are choices to impose; else
-    nothing (the forward runs as is) and a context whose ``run`` is an empty ``routing.Run``."""
-    if not choices:
-        yield routing.Choices(model)
-        return
-    with routing.Choices(model, replay=choices) as chosen:
-        yield chosen
+    nothing: the forward runs as is (the context gives ``None``)."""
+    return routing.Choices(model, replay=choices) if choices else contextlib.nullcontext()
 
 
 def _refuse_nonfinite(outputs: torch.Tensor, input_ids: torch.Tensor, kind: str, what: str) -> None:

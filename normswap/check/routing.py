@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .contract import _rel
 from .localize import MAX_POSITIONS
 
 _TOPK = (torch.topk, torch.Tensor.topk)
@@ -150,10 +151,6 @@ class Choices(TorchFunctionMode):
             self.run.largest_gap = max(gap, self.run.largest_gap or 0.0)
         self.run.scores.append(_rows(x, dim))
         return torch.return_types.topk((x.gather(dim, indices), indices))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((b - a).norm() / a.norm().clamp(min=1e-300))
 
 
 @dataclass

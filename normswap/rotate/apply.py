@@ -95,8 +95,9 @@ def _blocks(shape: tuple[int, ...], axes: set[int]):
         yield dim, start, min(step, shape[dim] - start)
 
 
-def _rotate(x: torch.Tensor, axis: int, m: torch.Tensor, groups: list[torch.Tensor] | None) -> torch.Tensor:
-    """``x`` (float64) with its vectors along ``axis`` (each index group, in order) multiplied by ``m``."""
+def rotate_along(x: torch.Tensor, axis: int, m: torch.Tensor, groups: list[torch.Tensor] | None):
+    """``x`` with its vectors along ``axis`` (each index group, in order; ``None``: all) multiplied by ``m``
+    (differentiable: ``rotate.learn``'s proxy trains through it)."""
     y = x.movedim(axis, -1)
     if groups is None:
         return (y @ m).movedim(-1, axis)
@@ -146,7 +147,7 @@ def transform(
             shape[scale[0] % t.ndim] = -1
             x = x * scale[1].to(x.device).reshape(shape)
         for axis, name, groups in rotations:
-            x = _rotate(x, axis % t.ndim, matrices[name].to(x.device), groups)
+            x = rotate_along(x, axis % t.ndim, matrices[name].to(x.device), groups)
         (out if dim is None else out.narrow(dim, start, length)).copy_(x.to(t.dtype))
     return out
 

@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from normswap.config import LEARN_DEFAULTS, ROTATE_TARGETS
 from normswap.quantize import SCHEMES, Scheme
+from normswap.rotate.apply import rotate_along
 from normswap.walk import func_name
 
 log = logging.getLogger("normswap")
@@ -138,19 +139,6 @@ def orthogonalize(q: torch.Tensor) -> torch.Tensor:
     return u @ vh
 
 
-def _rotated(x: torch.Tensor, axis: int, r: torch.Tensor, groups) -> torch.Tensor:
-    """``x`` with its vectors along ``axis`` (each index group, or all) multiplied by ``r``;
-    differentiable."""
-    y = x.movedim(axis, -1)
-    if groups is None:
-        return (y @ r).movedim(-1, axis)
-    y = y.clone()
-    for g in groups:
-        g = g.to(y.device)
-        y[..., g] = y[..., g] @ r
-    return y.movedim(-1, axis)
-
-
 class Proxy(TorchFunctionMode):
     """While active (and after ``begin(R)``), ``model`` computes as if every tensor that holds ``Q`` (the
     records' rotations by ``"Q"``) were rotated once more by ``R`` along the same axis, with ``scheme``'s fake
@@ -198,7 +186,7 @@ class Proxy(TorchFunctionMode):
         if id(p) not in self.values:
             x = p
             for axis, groups in self.rot[id(p)][1]:
-                x = _rotated(x, axis % p.ndim, self.r.to(p.dtype), groups)
+                x = rotate_along(x, axis % p.ndim, self.r.to(p.dtype), groups)
             self.values[id(p)] = x
         return self.values[id(p)]
 
