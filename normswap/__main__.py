@@ -39,6 +39,9 @@ def _last_line(how: str, code: int, newline: bool = False) -> None:
     when ``newline`` and stderr is a terminal) and exit ``code``."""
     start = "\n" if newline and sys.stderr.isatty() else ""
     print(f"{start}normswap: {how}; nothing was written", file=sys.stderr)
+    from normswap import stop  # standard library only
+
+    stop.settle()  # the interrupt is handled: exit with code, not by SIGINT
     sys.exit(code)
 
 

@@ -85,6 +85,12 @@ class _Group(click.Group):
         # shutdown after the command (seconds, after a model was held) ends it quietly (Signals.quiet_after)
         _signals.quiet_after = args is None
         try:
+            return self._standalone(args, prog_name, complete_var, **extra)
+        finally:  # the exit code chosen here is the process's (stop.settle)
+            stop.settle()
+
+    def _standalone(self, args, prog_name, complete_var, **extra):
+        try:
             with _signals:
                 code, interrupted = None, False
                 try:

@@ -46,6 +46,18 @@ def clear() -> None:
     _requested = None
 
 
+def settle() -> None:
+    """Let the process end with the exit code it chose although a KeyboardInterrupt was handled on the way.
+
+    CPython notes, for the whole process, a KeyboardInterrupt that leaves code compiled from a string
+    (``exec``/``eval`` of source, as ``dataclasses`` and ``namedtuple`` build their methods while modules
+    import) and at exit ends the process by SIGINT instead of by its exit code, even when the interrupt was
+    caught further up (a shell then shows 130 for a SIGTERM). Evaluating source clears that note (CPython
+    ``Python/pythonrun.c``: ``run_eval_code_obj``); an interrupt that really goes unhandled sets it again as
+    it leaves the program (``Modules/main.c``: ``pymain_run_module``)."""
+    eval("None")
+
+
 def handler(signum, frame) -> None:
     """SIGINT and SIGTERM: set the flag and raise KeyboardInterrupt (as Python's own SIGINT handler)."""
     request(signum)

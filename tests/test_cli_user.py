@@ -397,6 +397,47 @@ def test_ctrl_c_signal_in_a_real_process(sig, tiny_gguf, tmp_path):
         assert not list(tmp_path.glob(f".o{i}*")), delay
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("where", ["command", "import"])
+def test_signal_inside_code_built_from_a_string_still_exits_with_our_code(sig, where, tiny_gguf, tmp_path):
+    """The signal's KeyboardInterrupt is raised inside code compiled from a string (``dataclasses`` and
+    ``namedtuple`` build methods so while torch and transformers import): CPython then notes an unhandled
+    interrupt for the process and, under ``python -m``, ends it by SIGINT (-2) after the handled line, unless
+    other source is evaluated after it (the import case: nothing is). The exit code is still 130 (143)."""
+    code, how = (130, "interrupted") if sig == signal.SIGINT else (143, "terminated by SIGTERM")
+    kill = f"exec('import os, time; os.kill(os.getpid(), {int(sig)}); time.sleep(5)')"  # raised in the sleep
+    if where == "command":  # while the command loads the model
+        script = f"""
+import sys
+from normswap import cli, io
+def load_model(*args, **kwargs):
+    {kill}
+io.load_model = load_model
+sys.argv = ["normswap", "convert", {str(tiny_gguf)!r}, "-o", {str(tmp_path / "out")!r}]
+cli.main()
+"""
+    else:  # while normswap.__main__ imports the CLI
+        script = f"""
+import sys
+class Interrupting:
+    def find_spec(self, name, path=None, target=None):
+        if name == "normswap.cli":
+            {kill}
+sys.meta_path.insert(0, Interrupting())
+sys.argv = ["normswap", "convert", {str(tiny_gguf)!r}, "-o", {str(tmp_path / "out")!r}]
+from normswap.__main__ import run
+run()
+"""
+    (tmp_path / "interrupting.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    # as `python -m normswap` runs: a module (the interpreter's exit code of a script or -c is not affected)
+    proc = subprocess.run([sys.executable, "-m", "interrupting"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert proc.stderr.splitlines()[-1].startswith(f"normswap: {how}"), proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists(), proc.stderr
+
+
 # ------------------------------------------------------------------ messages that name the cause and the fix
 def test_float16_overflow_is_named_not_called_broken(tiny_model):
     """A model that is finite in float32 but overflows float16 (Gemma 3 does): the line says so and names
