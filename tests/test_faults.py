@@ -360,8 +360,11 @@ def test_signal_during_save(tmp_path, sig):
 def _writer(model, out: Path, go, me: str, saves: int, results) -> None:
     go.wait(60)
     random.seed(me)
-    counts = {"ok": 0, "in use": 0, "other": []}
-    for i in range(saves):
+    counts = {"ok": 0, "in use": 0, "other": [], "saves": 0}
+    i = 0
+    # on a loaded machine one writer can find the other's lock at each of its turns: it goes on (up to 10x)
+    # until one of its own saves went through
+    while i < saves or (counts["ok"] == 0 and i < 10 * saves):
         try:
             save_converted(model, None, {"writer": me, "i": i}, out, overwrite=True)
             counts["ok"] += 1
@@ -370,7 +373,9 @@ def _writer(model, out: Path, go, me: str, saves: int, results) -> None:
                 counts["in use"] += 1
             else:
                 counts["other"].append(str(error))
-        time.sleep(random.uniform(0, 0.01))  # pauses give the other writer its turns: saves interleave
+        time.sleep(random.uniform(0, 0.01 if i < saves else 0.1))  # pauses give the other writer its turns
+        i += 1
+    counts["saves"] = i
     results.put(counts)
 
 
@@ -392,7 +397,7 @@ def test_concurrent_saves_are_safe(tmp_path):
         time.sleep(0.002)
     counts = [results.get(timeout=10) for _ in procs]
     assert all(p.exitcode == 0 for p in procs)
-    assert all(c["other"] == [] and c["ok"] + c["in use"] == saves for c in counts), counts
+    assert all(c["other"] == [] and c["ok"] + c["in use"] == c["saves"] >= saves for c in counts), counts
     assert all(c["ok"] >= 1 for c in counts)
     assert os.listdir(tmp_path) == ["out"]
     assert strict_json(out / "normswap.json")["writer"] in ("a", "b") and checks > 0
