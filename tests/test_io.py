@@ -254,6 +254,21 @@ def test_short_name_uses_cache_offline(tmp_path, monkeypatch, tiny_gguf):
     assert loaded.info.short_name == "smollm2-135m" and loaded.info.kind == "gguf"
 
 
+def test_damaged_cached_short_name_says_how_to_fetch_it_again(tmp_path, monkeypatch, tiny_gguf):
+    """A cached short-name file damaged after its fetch (checked then): one line naming the file, and the fix
+    (delete the cache entry); the cached file is left as it is."""
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    target = shortnames.cached_path("smollm2-135m")
+    target.parent.mkdir(parents=True)
+    damaged = tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size * 2 // 3]
+    target.write_bytes(damaged)
+    with pytest.raises(NormswapError) as info:
+        load_model("smollm2-135m", tokenizer=False)
+    line = str(info.value)
+    assert "\n" not in line and f"cannot read the GGUF file {target.parent}" in line, line
+    assert line.endswith(f"; delete {target.parent} to fetch it again"), line
+    assert target.read_bytes() == damaged
+
 def test_unknown_short_name():
     with pytest.raises(NormswapError, match="unknown short name"):
         shortnames.fetch("smollm9-1t")

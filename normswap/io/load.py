@@ -385,12 +385,19 @@ def _load_failure(resolved: Resolved, what: str, error: Exception) -> NormswapEr
             f"and the Hugging Face hub cannot provide it{hint}: {_first_line(error)}"
         )
     where = resolved.local_path
+    # a short name's files are normswap's cached copy (checked when fetched): damaged since, fetched again
+    fix = ""
+    if resolved.short_name:
+        entry = shortnames.cache_dir() / shortnames.SHORT_MODELS[resolved.short_name].name
+        fix = f"; delete {entry} to fetch it again"
     if resolved.gguf_file and what != "tokenizer":
         return NormswapError(
             f"{resolved.source}: cannot read the GGUF file {where} (truncated or corrupt?): "
-            f"{_first_line(error)}"
+            f"{_first_line(error)}{fix}"
         )
-    return NormswapError(f"{resolved.source}: cannot load the {what} from {where} ({_first_line(error)})")
+    return NormswapError(
+        f"{resolved.source}: cannot load the {what} from {where} ({_first_line(error)}){fix}"
+    )
 
 
 def _names(items, limit: int = 3) -> str:
