@@ -34,6 +34,23 @@ def quantize_line(report: dict, output: Path | None) -> str | None:
     )
 
 
+def streamed_line(report: dict) -> str | None:
+    """For a streamed conversion: the shards, the most bytes of weights held at once, and whether that was
+    over the budget (``--max-memory``): the weights one module runs with are held whole, whatever the
+    budget."""
+    streamed = report.get("streamed")
+    if not streamed:
+        return None
+    peak, budget = streamed.get("peak_weight_bytes"), streamed.get("budget")
+    shards = streamed.get("shards")
+    line = f"memory:   streamed ({shards} shard{'s' if shards != 1 else ''})"
+    if peak is not None:
+        line += f", weights held at most {progress.size(peak)}"
+        if budget is not None and peak > budget:
+            line += f": over the budget of {progress.size(budget)} (a module's weights are held whole)"
+    return line
+
+
 def contract_lines(check: dict, report: dict) -> list[str]:
     """The ``contract:`` lines of ``check`` (the report's): per returned output (runs grouped), same or
     changed by design and why."""
@@ -120,6 +137,9 @@ def summary(report: dict, output: Path | None, report_path: Path | None) -> str:
     quantize = quantize_line(report, output)
     if quantize:
         lines.append(quantize)
+    memory = streamed_line(report)
+    if memory:
+        lines.append(memory)
     if output is not None:
         lines.append(f"saved:    {output}")
     verify = report.get("verify")

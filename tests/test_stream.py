@@ -23,6 +23,7 @@ from click.testing import CliRunner
 from conftest import make_tiny_model, write_tiny_gguf
 from safetensors import safe_open
 
+from normswap import progress
 from normswap.cli import main
 from normswap.errors import NormswapError
 from normswap.io import plain_float_checkpoint
@@ -78,10 +79,24 @@ def convert_both(src: Path, tmp_path: Path, *extra) -> tuple[Path, Path]:
     memory, streamed = tmp_path / "memory", tmp_path / "streamed"
     r = run("convert", src, "--output", memory, "--tokens", TOKENS, *extra)
     assert r.exit_code == 0, r.output
+    assert "memory:" not in r.output
     r = run("convert", src, "--output", streamed, "--tokens", TOKENS, "--max-memory", "4KB", *extra)
     assert r.exit_code == 0, r.output
     assert_verified(streamed, r.output)
+    assert_memory_line(streamed, r.output, 4000)
     return memory, streamed
+
+
+def assert_memory_line(folder: Path, output: str, budget: int) -> None:
+    """The summary says the run streamed, the most weight bytes it held, and whether that was over the
+    budget (a module's weights are held whole: 4KB is below every tiny model's embedding)."""
+    streamed = json.loads((folder / "normswap.json").read_text())["streamed"]
+    peak = streamed["peak_weight_bytes"]
+    assert streamed["budget"] == budget and peak > 0
+    line = next(line for line in output.splitlines() if line.startswith("memory:"))
+    assert line.startswith(f"memory:   streamed ({streamed['shards']} shard"), line
+    assert f"weights held at most {progress.size(peak)}" in line, line
+    assert (f"over the budget of {progress.size(budget)}" in line) == (peak > budget), line
 
 
 def assert_verified(folder: Path, output: str) -> dict:
@@ -168,6 +183,7 @@ def test_model_that_fits_runs_in_memory(tokenizer, tmp_path):
     r = run("convert", src, "--output", tmp_path / "out", "--tokens", TOKENS, "--max-memory", "1GiB")
     assert r.exit_code == 0, r.output
     assert "streamed" not in json.loads((tmp_path / "out" / "normswap.json").read_text())
+    assert "memory:" not in r.output
     largest = max((src / f).stat().st_size for f in CheckpointReader(src).files)
     out = CheckpointReader(tmp_path / "out")
     assert out.sharded and len(out.files) > 2
