@@ -390,9 +390,76 @@ def scale_axis_(weight: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.T
     return weight
 
 
+@dataclass(frozen=True)
+class FoldChange:
+    """One change the fold makes to one tensor: the record ``fold_changes`` makes and ``apply_change``
+    applies, alike to a Parameter in memory and to a tensor read from a shard (``normswap.stream.plan``).
+
+    Attributes:
+        tensor: the changed tensor's name (a model parameter's, or a streamed output tensor's).
+        site: the name of the norm whose fold requires the change.
+        op: ``"absorb"`` (a consumer bias ``c <- c + W b``), ``"scale"`` (a consumer weight multiplied along
+            ``axis`` by ``operand``) or ``"fill"`` (the norm's weight or bias set to its identity).
+        operand: ``"scale"``: the float64 scale ``offset + w``, shape ``(D,)``; ``"absorb"``: the norm's
+            float64 bias ``b``, ``(D,)``; ``"fill"``: the identity value (``1 - offset``, or 0).
+        axis: the consumer weight's input axis (``"absorb"``, ``"scale"``); None for ``"fill"``.
+        weight: ``"absorb"``: the name of ``W``, read before this site's scale changes it.
+    """
+
+    tensor: str
+    site: str
+    op: str
+    operand: torch.Tensor | float
+    axis: int | None = None
+    weight: str | None = None
+
+
+def fold_changes(site: NormSite, scale: torch.Tensor, shift: torch.Tensor | None) -> list[FoldChange]:
+    """The changes folding ``site`` makes, in the order they apply: per distinct consumer, its bias absorbs
+    ``W b`` (when the norm has a bias ``shift`` and the consumer a bias), then its weight is scaled by
+    ``scale``; then the norm's weight and bias are set to their identity. ``scale``, ``shift``: the site's
+    ``scale_and_shift``."""
+    changes = []
+    for c in distinct_consumers(site):
+        if shift is not None and c.bias is not None:
+            changes.append(FoldChange(c.bias, site.name, "absorb", shift, c.axis, weight=c.param))
+        changes.append(FoldChange(c.param, site.name, "scale", scale, c.axis))
+    if site.weight:
+        changes.append(FoldChange(f"{site.name}.{site.weight}", site.name, "fill", 1.0 - site.offset))
+    if site.bias:
+        changes.append(FoldChange(f"{site.name}.{site.bias}", site.name, "fill", 0.0))
+    return changes
+
+
+@torch.no_grad()
+def apply_change(t: torch.Tensor, change: FoldChange, read: Callable[[str], torch.Tensor] | None = None):
+    """Apply ``change`` to ``t`` in place, rounding once into ``t``'s dtype: ``"absorb"`` adds the float64
+    ``W b`` (``bias_delta`` of ``read(change.weight)``), ``"scale"`` is ``scale_axis_``, ``"fill"`` fills.
+
+    Raises:
+        ValueError: an ``"absorb"`` whose ``W b`` does not have ``t``'s shape (the fold would not be exact).
+    """
+    if change.op == "scale":
+        scale_axis_(t, change.operand, change.axis)
+    elif change.op == "fill":
+        t.fill_(change.operand)
+    else:
+        delta = bias_delta(read(change.weight), change.operand, change.axis)
+        if delta.shape != t.shape:
+            shapes = f"has shape {tuple(t.shape)}, W b has {tuple(delta.shape)}"
+            raise ValueError(f"{change.site}: bias {change.tensor} {shapes}")
+        t.copy_((t.detach().double() + delta).to(t.dtype))
+
+
+def _tensor(model: nn.Module, name: str) -> torch.Tensor:
+    module, _, attribute = name.rpartition(".")
+    return getattr(model.get_submodule(module), attribute)
+
+
 @torch.no_grad()
 def fold_site(model: nn.Module, site: NormSite, scale_shift=None) -> None:
-    """Fold one foldable site into its consumers and reset the norm to its identity parameters, in place.
+    """Fold one foldable site into its consumers and reset the norm to its identity parameters, in place
+    (``fold_changes``, each applied by ``apply_change``).
 
     The float64 arithmetic runs in blocks of rows, so folding into a large ``lm_head`` costs at most a
     32 MiB temporary, not a float64 copy of the weight. ``scale_shift``: the site's ``scale_and_shift``
@@ -404,19 +471,6 @@ def fold_site(model: nn.Module, site: NormSite, scale_shift=None) -> None:
     """
     norm = model.get_submodule(site.name)
     scale, shift = scale_shift if scale_shift is not None else scale_and_shift(site, norm)
-    for c in distinct_consumers(site):
-        weight = model.get_parameter(c.param)
-        if shift is not None and c.bias is not None:
-            bias = model.get_parameter(c.bias)
-            delta = bias_delta(weight, shift, c.axis)
-            if delta.shape != bias.shape:
-                raise ValueError(
-                    f"{site.name}: bias {c.bias} has shape {tuple(bias.shape)}, W b has {tuple(delta.shape)}"
-                )
-            bias.copy_((bias.detach().double() + delta).to(bias.dtype))
-        scale_axis_(weight, scale, c.axis)
-    if site.weight:
-        getattr(norm, site.weight).fill_(1.0 - site.offset)
-    if site.bias:
-        getattr(norm, site.bias).zero_()
+    for change in fold_changes(site, scale, shift):
+        apply_change(_tensor(model, change.tensor), change, model.get_parameter)
     site.folded = True

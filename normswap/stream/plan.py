@@ -6,8 +6,9 @@ what the in-memory path saves:
 
 * the transforms of the streamed model (``Streamed.transform``: centering a writer's weight, rewriting an
   embedding table), in the order they were made;
-* then the fold: ``bias_delta`` into a consumer bias, ``scale_axis_`` along a consumer weight's input axis,
-  the identity fill of a folded norm (the functions ``fold_site`` uses).
+* then the fold: the records ``fold.fold_changes`` makes (a consumer bias absorbs ``W b``, a consumer
+  weight is scaled along its input axis, a folded norm is set to its identity), applied by
+  ``fold.apply_change``, as ``fold_site`` applies them in memory.
 
 A parameter that transformers assembles from several checkpoint tensors (``stream.assemble``: per-expert
 tensors stacked into ``experts.gate_up_proj``) is planned under its model name and made the same way, then
@@ -17,12 +18,12 @@ split back into the checkpoint's tensors by transformers' reversed converter (``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from normswap.errors import NormswapError
-from normswap.fold import FoldPlan, bias_delta, distinct_consumers, scale_and_shift, scale_axis_
+from normswap.fold import FoldChange, FoldPlan, apply_change, fold_changes, scale_and_shift
 from normswap.io.shards import CheckpointReader
 from normswap.stream.assemble import Group
 from normswap.stream.model import Streamed, StreamedParameter, is_released, read_row, read_source
@@ -39,9 +40,7 @@ class TensorPlan:
         ops: the streamed model's transforms of its values (``StreamedParameter.stream_ops``), in order.
         value: the current values of a parameter held in memory (norm scales, biases: small), used instead
             of reading ``source`` and applying ``ops`` (which gave it).
-        scales: ``(axis, float64 scale)`` to multiply in, in order (``fold.scale_axis_``).
-        shift: ``(weight's output name, float64 norm bias, axis)`` whose ``W b`` this bias absorbs.
-        fill: the norm identity value (``1 - offset`` for a weight, 0 for a bias), or None.
+        changes: the fold's records for it (``fold.FoldChange``, names as output names), in order.
         group: a model parameter assembled from several checkpoint tensors (``source`` is its model name):
             its ``assemble.Group``; it is written as those tensors (``make_pieces``), not under its name.
         piece_of: a checkpoint tensor that is a piece of such parameters: their group.
@@ -52,9 +51,7 @@ class TensorPlan:
     shape: tuple[int, ...]
     ops: list = field(default_factory=list)
     value: torch.Tensor | None = None
-    scales: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    shift: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
-    fill: float | None = None
+    changes: list[FoldChange] = field(default_factory=list)
     group: Group | None = None
     piece_of: Group | None = None
 
@@ -122,19 +119,14 @@ def tensor_plans(streamed: Streamed, folding: FoldPlan, dtype: torch.dtype) -> d
         return where[id(model.get_parameter(param))]
 
     for site in folding.sites:
-        norm = model.get_submodule(site.name)
-        scale, shift = scale_and_shift(site, norm)
-        for c in distinct_consumers(site):
-            weight = plans[out(c.param)]
-            if shift is not None and c.bias is not None:
-                if weight.scales:
-                    raise NormswapError(f"{site.name}: {c.param} is scaled twice before its bias absorbs W b")
-                plans[out(c.bias)].shift.append((out(c.param), shift, c.axis))
-            weight.scales.append((c.axis, scale))
-        if site.weight:
-            plans[out(f"{site.name}.{site.weight}")].fill = 1.0 - site.offset
-        if site.bias:
-            plans[out(f"{site.name}.{site.bias}")].fill = 0.0
+        scale, shift = scale_and_shift(site, model.get_submodule(site.name))
+        for change in fold_changes(site, scale, shift):
+            weight = out(change.weight) if change.weight is not None else None
+            if change.op == "absorb" and plans[weight].changes:  # W b of the weight as it was read
+                twice = f"{change.weight} is scaled twice before its bias absorbs W b"
+                raise NormswapError(f"{site.name}: {twice}")
+            tensor = out(change.tensor)
+            plans[tensor].changes.append(replace(change, tensor=tensor, weight=weight))
     return plans
 
 
@@ -175,22 +167,19 @@ def base(reader: CheckpointReader, tp: TensorPlan, device: torch.device | str = 
 @torch.no_grad()
 def make_tensor(reader: CheckpointReader, plans: dict[str, TensorPlan], name: str,
                 device: torch.device | str = "cpu") -> torch.Tensor:  # fmt: skip
-    """Output tensor ``name``: its ``base``, then the fold (as ``normswap.fold.fold_site`` does)."""
+    """Output tensor ``name``: its ``base``, then the fold's changes (``fold.apply_change``, as
+    ``normswap.fold.fold_site`` applies them in memory; a bias absorbs ``W b`` of its weight's ``base``).
+
+    Raises:
+        ValueError: a piece of assembled parameters (``make_pieces`` makes those); a bias whose ``W b`` does
+            not have its shape.
+    """
     tp = plans[name]
     if tp.piece_of is not None:
         raise ValueError(f"{name} is a piece of assembled parameters: make it with make_pieces")
     t = base(reader, tp, device)
-    for weight_name, shift, axis in tp.shift:
-        weight = base(reader, plans[weight_name], device)
-        delta = bias_delta(weight, shift, axis)
-        del weight
-        if delta.shape != t.shape:
-            raise NormswapError(f"bias {name} has shape {tuple(t.shape)}, W b has {tuple(delta.shape)}")
-        t.copy_((t.double() + delta).to(t.dtype))
-    for axis, scale in tp.scales:
-        scale_axis_(t, scale.to(t.device), axis)
-    if tp.fill is not None:
-        t.fill_(tp.fill)
+    for change in tp.changes:
+        apply_change(t, change, lambda weight: base(reader, plans[weight], device))
     return t
 
 
@@ -208,14 +197,14 @@ def by_rows(plans: dict[str, TensorPlan], group: Group) -> bool:
     """Whether ``group``'s output tensors can be made one row (expert) at a time with the same bytes: a
     slot-wise group (``assemble.Group.slotwise``) whose parameters are read from the checkpoint with no
     transforms, and only scaled along axes other than the rows' (a fold along the input axis: elementwise,
-    ``fold.scale_axis_``), with no bias shift and no identity fill."""
+    ``fold.scale_axis_``), with no bias absorbed and no identity fill."""
     if not group.slotwise:
         return False
     for name in group.targets:
         tp = plans[name]
-        if tp.value is not None or tp.ops or tp.shift or tp.fill is not None:
+        if tp.value is not None or tp.ops:
             return False
-        if any(axis == 0 for axis, _ in tp.scales):
+        if any(change.op != "scale" or change.axis == 0 for change in tp.changes):
             return False
     return True
 
@@ -235,7 +224,7 @@ def make_row_pieces(
     for name in group.targets:
         tp = plans[name]
         t = read_row(reader, tp.source, group, tp.dtype, device, i).unsqueeze(0)
-        for axis, scale in tp.scales:
-            scale_axis_(t, scale.to(t.device), axis)
+        for change in tp.changes:  # scales only (by_rows)
+            apply_change(t, change)
         rows[name] = t
     return group.split_slot(rows, i)
