@@ -444,11 +444,21 @@ def apply_change(t: torch.Tensor, change: FoldChange, read: Callable[[str], torc
     elif change.op == "fill":
         t.fill_(change.operand)
     else:
-        delta = bias_delta(read(change.weight), change.operand, change.axis)
-        if delta.shape != t.shape:
-            shapes = f"has shape {tuple(t.shape)}, W b has {tuple(delta.shape)}"
-            raise ValueError(f"{change.site}: bias {change.tensor} {shapes}")
-        t.copy_((t.detach().double() + delta).to(t.dtype))
+        t.copy_((t.detach().double() + absorbed(change, t.shape, read)).to(t.dtype))
+
+
+def absorbed(change: FoldChange, shape: torch.Size, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """The float64 ``W b`` an ``"absorb"`` change adds to a bias of shape ``shape`` (``W``:
+    ``read(change.weight)``).
+
+    Raises:
+        ValueError: ``W b`` does not have ``shape`` (the fold would not be exact).
+    """
+    delta = bias_delta(read(change.weight), change.operand, change.axis)
+    if delta.shape != shape:
+        shapes = f"has shape {tuple(shape)}, W b has {tuple(delta.shape)}"
+        raise ValueError(f"{change.site}: bias {change.tensor} {shapes}")
+    return delta
 
 
 def _tensor(model: nn.Module, name: str) -> torch.Tensor:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from normswap.fold import bias_delta, distinct_consumers, scale_and_shift
+from normswap.fold import absorbed, fold_changes, scale_and_shift
 from normswap.rotate.matrix import Matrix
 from normswap.rotate.plan import RotationPlan, Target
 from normswap.sites import NormSite
@@ -252,25 +252,20 @@ def plan_changes(
         if name not in folded and name not in plan.kept_bias:
             continue
         scale, shift = scale_and_shift(site, norm)
-        for c in distinct_consumers(site):
-            weight = model.get_parameter(c.param)
-            change = entry(weight)
-            change.record.scale = (c.axis, name)
-            change.scale = (c.axis, scale)
-            if name in folded and shift is not None and c.bias is not None:
-                bias = model.get_parameter(c.bias)
-                delta = bias_delta(read(weight), shift, c.axis)
-                if delta.shape != bias.shape:
-                    raise ValueError(
-                        f"{name}: bias {c.bias} has shape {tuple(bias.shape)}, W b has {tuple(delta.shape)}"
-                    )
+        # the fold's records (fold.fold_changes), computed here in the rotation's float64 pass
+        for fold in fold_changes(site, scale, shift if name in folded else None):
+            if fold.op == "scale":
+                change = entry(model.get_parameter(fold.tensor))
+                change.record.scale, change.scale = (fold.axis, name), (fold.axis, fold.operand)
+            elif fold.op == "absorb":
+                entry(model.get_parameter(fold.weight))  # the weight's record first
+                bias = model.get_parameter(fold.tensor)
+                delta = absorbed(fold, bias.shape, lambda weight: read(model.get_parameter(weight)))
                 entry(bias).record.shift = name
                 changes[id(bias)].add = delta
-        if site.weight:
-            result.fills.append((getattr(norm, site.weight), 1.0 - site.offset))
-        if site.bias and name in folded:
-            result.fills.append((getattr(norm, site.bias), 0.0))
-        elif site.bias:  # kept: b / g, rotated below as a target on the stream's side
+            elif fold.tensor != f"{name}.{site.bias}" or name in folded:  # a kept bias is not filled
+                result.fills.append((getattr(norm, fold.tensor.rpartition(".")[2]), fold.operand))
+        if site.bias and name not in folded:  # kept: b / g, rotated below as a target on the stream's side
             b = getattr(norm, site.bias)
             entry(b).record.divide = name
             changes[id(b)].divide = scale
