@@ -19,13 +19,12 @@ also compares needs the whole model in memory; it is not run here (``max_abs_dif
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from normswap.errors import NormswapError
-from normswap.io.verify import VERIFY_TOKENS, VerifyResult, _digest, _max_diff, _names
+from normswap.io.verify import VERIFY_TOKENS, Expected, VerifyResult, _digest, _max_diff, _names
 
 NOTE = "streamed fresh load (the shards read back one tensor at a time)"
 
@@ -33,27 +32,6 @@ NOTE = "streamed fresh load (the shards read back one tensor at a time)"
 def fingerprint(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     """``(dtype name, shape, blake2b hex digest of the bytes)`` of ``tensor``, as ``normswap.io.verify``."""
     return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), _digest(tensor)
-
-
-@dataclass
-class Expected:
-    """What the streamed output must reproduce.
-
-    Attributes:
-        architecture: the class name the conversion ran (``LlamaForCausalLM``, ...).
-        dtype: the dtype the models were built in.
-        tensors: output tensor name -> ``fingerprint`` as planned (recorded while writing).
-        input_ids: ``(1, T)`` long ids on the CPU, ``T <= VERIFY_TOKENS``.
-        output: ``"logits"`` or ``"last_hidden_state"``.
-        outputs: ``(T, V)`` outputs of the checked model on ``input_ids``, on the CPU.
-    """
-
-    architecture: str
-    dtype: torch.dtype
-    tensors: dict[str, tuple[str, tuple[int, ...], str]]
-    input_ids: torch.Tensor
-    output: str
-    outputs: torch.Tensor
 
 
 @torch.no_grad()
@@ -64,7 +42,8 @@ def record(
     dtype: torch.dtype,
     tokens: int = VERIFY_TOKENS,
 ) -> Expected:
-    """``Expected`` from the checked (streamed, norms swapped) ``model`` and the written ``tensors``.
+    """``normswap.io.verify.Expected`` from the checked (streamed, norms swapped) ``model`` and the written
+    ``tensors`` (no ``note``, ``device_map`` or ``carried``: the streamed output is the checked model).
 
     Args:
         model: the model the check ran; one more streamed forward, on ``tokens`` ids.
@@ -76,7 +55,8 @@ def record(
 
     ids = input_ids[:1, :tokens].cpu()
     kind, outputs = _forward(model, ids)
-    return Expected(type(model).__name__, dtype, dict(tensors), ids, kind, outputs)
+    dtype_name = str(dtype).removeprefix("torch.")
+    return Expected(type(model).__name__, dtype_name, dict(tensors), ids, kind, outputs)
 
 
 def _check_tensors(reader, expected: Expected) -> list[str]:
@@ -130,7 +110,8 @@ def verify_streamed(
         reader = CheckpointReader(path)
         failures += _check_tensors(reader, expected)
         config = load_config(resolve(str(path), download=False), trust_remote_code=trust_remote_code)
-        fresh = build(config, reader, expected.dtype, device, trust_remote_code=trust_remote_code)
+        dtype = getattr(torch, expected.dtype)
+        fresh = build(config, reader, dtype, device, trust_remote_code=trust_remote_code)
     except NormswapError as error:
         failures.append(f"the saved checkpoint does not load: {error}")
         fresh = None
