@@ -130,6 +130,10 @@ def test_config_flag_adds_biases_that_absorb_the_norm_bias(model_type, overrides
     assert getattr(model.config, flag) is True
     folded = [s for s in report.sites if s.folded]
     assert folded and all(c.bias is not None for s in folded for c in s.consumers)
+    # the added biases are reported in the model's parameter order: the same report from run to run
+    added = report.centering["biases_added"]
+    order = [name for name, _ in model.named_parameters() if name in set(added)]
+    assert len(added) > 1 and added == order
     # a checkpoint of the converted model loads in plain transformers with the same biases
     _check_plain_reload(model, tiny_model(model_type, **overrides))
 

@@ -77,7 +77,9 @@ def _flag_effect(model: nn.Module, flag: str) -> Flag | None:
         return None
     modules = dict(model.named_modules())
     added = {}
-    for name in set(after) - before:
+    for name in after:  # in the model's parameter order (a set's order changes from run to run)
+        if name in before:
+            continue
         mod_name, _, attr = name.rpartition(".")
         mod = modules.get(mod_name)
         if mod is None or type(mod) is not type(other.get_submodule(mod_name)):
