@@ -134,7 +134,7 @@ def run_case(source: str, options: list[str]) -> dict:
             "exit": result.exit_code,
             "seconds": round(time.perf_counter() - started, 1),
             "lines": [
-                line
+                line.replace(str(out), "OUT")  # the temporary output folder differs from run to run
                 for line in (result.output or "").splitlines()
                 if not line.startswith(("time:", "report:", "saved:", "verified:"))
             ],  # fmt: skip
