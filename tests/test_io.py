@@ -269,6 +269,7 @@ def test_damaged_cached_short_name_says_how_to_fetch_it_again(tmp_path, monkeypa
     assert line.endswith(f"; delete {target.parent} to fetch it again"), line
     assert target.read_bytes() == damaged
 
+
 def test_unknown_short_name():
     with pytest.raises(NormswapError, match="unknown short name"):
         shortnames.fetch("smollm9-1t")

@@ -198,6 +198,26 @@ def _one_error_line(result, *fragments):
         assert fragment in lines[0]
 
 
+def test_model_without_norms_is_the_same_line_on_both_paths(tokenizer, tmp_path, monkeypatch):
+    """A walk that finds no norm: in memory and streamed, the same one line, nothing written."""
+    import normswap.walk
+    from normswap import pipeline
+
+    def no_norms(model, input_ids=None, **options):
+        return normswap.walk.Walk(sites=[], param_uses={}, owners={}, untouched=[])
+
+    monkeypatch.setattr(pipeline, "walk", no_norms)
+    monkeypatch.setattr(normswap.walk, "walk", no_norms)  # the streamed path imports it when it runs
+    src = save_sharded(make_tiny_model("llama"), tokenizer, tmp_path / "src")
+    lines = []
+    for extra in (["--no-stream"], ["--max-memory", "4KB"]):
+        result = run("convert", src, "--output", tmp_path / "out", *extra)
+        _one_error_line(result, "no normalization module found; nothing to convert")
+        lines.append(result.stderr)
+        assert not (tmp_path / "out").exists()
+    assert lines[0] == lines[1]
+
+
 @pytest.fixture(scope="module")
 def multi_tensor_src(tokenizer, tmp_path_factory) -> tuple[Path, str]:
     """A sharded tiny Llama, and its shard holding the most tensors."""

@@ -434,6 +434,7 @@ def convert_streamed(
         ConvertReport,
         already_converted,
         describe_inputs,
+        no_norms_message,
         stream_transform,
     )
     from normswap.fold import plan
@@ -463,7 +464,7 @@ def convert_streamed(
     walk_ids = short_inputs(input_ids)
     traced = _guarded(lambda: walk(streamed.model, walk_ids, keep_hidden_states=keep_hidden_states), source)
     if not traced.sites:
-        raise NormswapError(f"{source.info.source}: no normalization modules found; nothing to convert")
+        raise NormswapError(f"{source.info.source}: {no_norms_message(traced)}; nothing to convert")
     manifest = input_manifest(source.info.path)
     already_converted(source.info.source, streamed.model, traced.sites, norm, manifest, rotate=rotate)
     inputs.kept = carry.keep_final_norms(streamed.model, traced.sites, inputs.skipped)
