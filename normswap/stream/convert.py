@@ -281,10 +281,11 @@ def write_shards(
     files: list[str],
     written: dict | None = None,
     device: torch.device | str = "cpu",
-) -> None:
+) -> int:
     """Write the output shards ``files`` (the input's shard names) into ``folder``, tensor by tensor, each
     made on ``device``; each tensor's ``stream.verify.fingerprint`` goes into ``written`` (name ->
-    fingerprint) when given.
+    fingerprint) when given. Returns the most bytes of made tensors held at once (a whole expert stack,
+    where one is made whole).
 
     A checkpoint tensor that is a piece of an assembled parameter (``stream.assemble``: one expert's
     ``gate_proj``) is split from that parameter, made whole (``make_pieces``); the pieces are held until each
@@ -303,6 +304,13 @@ def write_shards(
     pieces: dict = {}  # id(group) (or (id(group), row)) -> its output tensors not yet written
     rowwise: dict[int, dict[str, int]] = {}  # id(group) -> its checkpoint tensor -> row, when made by rows
     shard_names = {file: {name for name, _, _ in shards[file]} for file in files}
+    most = 0
+
+    def holding(*made: torch.Tensor) -> None:  # the pieces kept for later, and what was just made
+        nonlocal most
+        kept = sum(t.nbytes for held in pieces.values() for t in held.values())
+        most = max(most, kept + sum(t.nbytes for t in made))
+
     for tp in plans.values():
         group = tp.piece_of
         if group is not None and id(group) not in rowwise and by_rows(plans, group):
@@ -316,10 +324,12 @@ def write_shards(
                 group = plans[name].piece_of
                 if group is None:
                     tensor = make_tensor(reader, plans, name, device)
+                    holding(tensor)
                 elif id(group) in rowwise:  # one expert's tensors at a time, written at once where they go
                     i = rowwise[id(group)][name]
                     if (id(group), i) not in pieces:
                         made = make_row_pieces(reader, plans, group, i, device)
+                        holding(*made.values())
                         for key in [k for k in made if k != name and k in shard_names[file]]:
                             piece = made.pop(key)
                             if written is not None:
@@ -339,6 +349,7 @@ def write_shards(
                 else:
                     if id(group) not in pieces:
                         pieces[id(group)] = make_pieces(reader, plans, group, device)
+                        holding()
                     tensor = pieces[id(group)].pop(name).contiguous()
                     wanted[id(group)].discard(name)
                     if not wanted[id(group)]:
@@ -353,6 +364,7 @@ def write_shards(
             writer.abort()
             raise
         staging.at_stage("shard")
+    return most
 
 
 def _write_metadata(source: Source, plans, folder: Path, config, inputs) -> None:
@@ -553,7 +565,12 @@ def convert_streamed(
     try:
         mine = dist.my_share(source.reader.files)
         written: dict[str, tuple] = {}
-        dist.all_ok(lambda: write_shards(source.reader, plans, built, mine, written, device))
+        write_peak: list[int] = []  # the most bytes of made tensors this process held at once
+
+        def write():
+            write_peak.append(write_shards(source.reader, plans, built, mine, written, device))
+
+        dist.all_ok(write)
         written = dist.merged(written)
         for site in folding.sites:
             site.folded = True
@@ -617,7 +634,7 @@ def convert_streamed(
             if passed or force:  # what the saved copy must reproduce
                 expected = _guarded(lambda: record(converted.model, input_ids, written, source.dtype), source)
             converted.close()
-            peak = max(streamed.peak, converted.peak)
+            peak = max(streamed.peak, converted.peak, *write_peak)
             del converted, written
             report.check = checked.to_dict()
             data = report_dict(report, source.info)
