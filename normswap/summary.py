@@ -36,8 +36,8 @@ def quantize_line(report: dict, output: Path | None) -> str | None:
 
 def streamed_line(report: dict) -> str | None:
     """For a streamed conversion: the shards, the most bytes of weights held at once, and whether that was
-    over the budget (``--max-memory``): the weights one module runs with are held whole, whatever the
-    budget."""
+    over the budget (``--max-memory``): the weights one module runs with, and each tensor as it is written
+    (a rotated or centered stack of experts), are held whole, whatever the budget."""
     streamed = report.get("streamed")
     if not streamed:
         return None
@@ -47,7 +47,8 @@ def streamed_line(report: dict) -> str | None:
     if peak is not None:
         line += f", weights held at most {progress.size(peak)}"
         if budget is not None and peak > budget:
-            line += f": over the budget of {progress.size(budget)} (a module's weights are held whole)"
+            whole = "one module's weights, or a tensor being written, are held whole"
+            line += f": over the budget of {progress.size(budget)} ({whole})"
     return line
 
 

@@ -89,7 +89,7 @@ def convert_both(src: Path, tmp_path: Path, *extra) -> tuple[Path, Path]:
 
 def assert_memory_line(folder: Path, output: str, budget: int) -> None:
     """The summary says the run streamed, the most weight bytes it held, and whether that was over the
-    budget (a module's weights are held whole: 4KB is below every tiny model's embedding)."""
+    budget (one module's weights are held whole: 4KB is below every tiny model's embedding)."""
     streamed = json.loads((folder / "normswap.json").read_text())["streamed"]
     peak = streamed["peak_weight_bytes"]
     assert streamed["budget"] == budget and peak > 0
