@@ -461,7 +461,8 @@ def absorbed(change: FoldChange, shape: torch.Size, read: Callable[[str], torch.
     return delta
 
 
-def _tensor(model: nn.Module, name: str) -> torch.Tensor:
+def tensor_of(model: nn.Module, name: str) -> torch.Tensor:
+    """The tensor a record names (``module.attribute``): a Parameter, or a buffer holding a norm scale."""
     module, _, attribute = name.rpartition(".")
     return getattr(model.get_submodule(module), attribute)
 
@@ -482,5 +483,5 @@ def fold_site(model: nn.Module, site: NormSite, scale_shift=None) -> None:
     norm = model.get_submodule(site.name)
     scale, shift = scale_shift if scale_shift is not None else scale_and_shift(site, norm)
     for change in fold_changes(site, scale, shift):
-        apply_change(_tensor(model, change.tensor), change, model.get_parameter)
+        apply_change(tensor_of(model, change.tensor), change, model.get_parameter)
     site.folded = True

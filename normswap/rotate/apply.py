@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from normswap.fold import absorbed, fold_changes, scale_and_shift
+from normswap.fold import absorbed, fold_changes, scale_and_shift, tensor_of
 from normswap.rotate.matrix import Matrix
 from normswap.rotate.plan import RotationPlan, Target
 from normswap.sites import NormSite
@@ -267,7 +267,7 @@ def plan_changes(
                 entry(bias).record.shift = name
                 changes[id(bias)].add = delta
             elif fold.tensor != f"{name}.{site.bias}" or name in folded:  # a kept bias is not filled
-                result.fills.append((getattr(norm, fold.tensor.rpartition(".")[2]), fold.operand))
+                result.fills.append((tensor_of(model, fold.tensor), fold.operand))
         if site.bias and name not in folded:  # kept: b / g, rotated below as a target on the stream's side
             b = getattr(norm, site.bias)
             entry(b).record.divide = name

@@ -565,12 +565,8 @@ def convert_streamed(
     try:
         mine = dist.my_share(source.reader.files)
         written: dict[str, tuple] = {}
-        write_peak: list[int] = []  # the most bytes of made tensors this process held at once
-
-        def write():
-            write_peak.append(write_shards(source.reader, plans, built, mine, written, device))
-
-        dist.all_ok(write)
+        # the most bytes of made tensors this process held at once
+        write_peak = dist.all_ok(lambda: write_shards(source.reader, plans, built, mine, written, device))
         written = dist.merged(written)
         for site in folding.sites:
             site.folded = True
@@ -634,7 +630,7 @@ def convert_streamed(
             if passed or force:  # what the saved copy must reproduce
                 expected = _guarded(lambda: record(converted.model, input_ids, written, source.dtype), source)
             converted.close()
-            peak = max(streamed.peak, converted.peak, *write_peak)
+            peak = max(streamed.peak, converted.peak, write_peak)
             del converted, written
             report.check = checked.to_dict()
             data = report_dict(report, source.info)

@@ -96,16 +96,15 @@ def shared_folder(make) -> Path:
     return Path(path)
 
 
-def all_ok(fn) -> None:
-    """Run ``fn`` on every process; if it fails anywhere, raise on every process (the failing one re-raises
-    its own exception, the others a ``NormswapError`` naming it)."""
+def all_ok(fn):
+    """Run ``fn`` on every process and return its result (this process's); if it fails anywhere, raise on
+    every process (the failing one re-raises its own exception, the others a ``NormswapError`` naming it)."""
     group = _group()
     if not group:
-        fn()
-        return
-    failure, own = None, None
+        return fn()
+    failure, own, result = None, None, None
     try:
-        fn()
+        result = fn()
     except BaseException as error:  # noqa: BLE001 - reported to every process, then re-raised
         own = error
         failure = f"process {rank()}: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
@@ -116,6 +115,7 @@ def all_ok(fn) -> None:
     first = next((f for f in failures if f), None)
     if first:
         raise NormswapError(first)
+    return result
 
 
 def merged(items: dict) -> dict:

@@ -97,7 +97,7 @@ def verify_streamed(
         longer opens or builds; nothing raises for that).
     """
     from normswap.check.core import _forward, peak_rss_mib
-    from normswap.io.load import load_config, resolve
+    from normswap.io.load import load_config, resolve, torch_dtype
     from normswap.io.save import read_manifest
     from normswap.io.shards import CheckpointReader
     from normswap.sites import NormSite
@@ -110,7 +110,7 @@ def verify_streamed(
         reader = CheckpointReader(path)
         failures += _check_tensors(reader, expected)
         config = load_config(resolve(str(path), download=False), trust_remote_code=trust_remote_code)
-        dtype = getattr(torch, expected.dtype)
+        dtype = torch_dtype(expected.dtype)
         fresh = build(config, reader, dtype, device, trust_remote_code=trust_remote_code)
     except NormswapError as error:
         failures.append(f"the saved checkpoint does not load: {error}")
