@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from normswap.errors import NormswapError
-from normswap.options import OutputPath, device_option, dtype_option, model_name
+from normswap.options import Command, OutputPath, device_option, dtype_option, model_name
 
 
 def _manifest(path) -> dict:
@@ -24,7 +24,7 @@ def _manifest_sites(path) -> list:
     return [NormSite.from_dict(s) for s in _manifest(path).get("sites", [])]
 
 
-@click.command("check")
+@click.command("check", cls=Command)
 @click.argument("original", callback=model_name)
 @click.argument("converted", callback=model_name)
 @click.option(

@@ -20,7 +20,7 @@ import click
 from normswap import progress, stop
 from normswap.config import LEARN_DEFAULTS, NORM_CHOICES, ROTATE_KINDS, ROTATE_TARGETS, cli_wording
 from normswap.errors import NormswapError
-from normswap.options import DTYPE_CHOICES, OutputPath, device_option, model_name, size_option
+from normswap.options import DTYPE_CHOICES, Command, OutputPath, device_option, model_name, size_option
 
 
 class _Interrupted(BaseException):
@@ -57,6 +57,7 @@ class _Group(click.Group):
     is in."""
 
     context_class = _Context
+    command_class = Command  # torch imported with the signals held (options.Command)
 
     def invoke(self, ctx: click.Context):
         try:

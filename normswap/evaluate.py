@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import click
 
 from normswap.errors import NormswapError
-from normswap.options import OutputPath, device_option, dtype_option, model_name
+from normswap.options import Command, OutputPath, device_option, dtype_option, model_name
 from normswap.quantize import SCHEMES
 
 if TYPE_CHECKING:
@@ -452,7 +452,7 @@ def _fmt(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-@click.command("eval")
+@click.command("eval", cls=Command)
 @click.option("--model", "model_source", required=True, callback=model_name,
               help="The original MODEL (as for convert).")  # fmt: skip
 @click.option("--converted", required=True, callback=model_name,

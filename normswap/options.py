@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from normswap import stop
 from normswap.errors import NormswapError
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -128,3 +129,15 @@ def dtype_option(f=None, *, help="Precision the models are loaded and compared i
         show_default=True,
         help=help + " auto: the first model's own (float32 for a GGUF file), for both.",
     )(f)
+
+
+class Command(click.Command):
+    """A command whose body runs torch. torch's import runs Python code from C++ (pybind11), and a
+    KeyboardInterrupt raised there aborts the process (seen: exit -6, "terminate called after throwing ...
+    error_already_set"): SIGINT and SIGTERM are held while it imports, after the options are parsed (a usage
+    error imports nothing), and act once it has (``stop.held``)."""
+
+    def invoke(self, ctx: click.Context):
+        with stop.held():
+            import torch  # noqa: F401
+        return super().invoke(ctx)

@@ -438,6 +438,36 @@ run()
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists(), proc.stderr
 
 
+def test_signal_while_torch_imports_acts_once_the_import_is_done(tiny_gguf, tmp_path):
+    """SIGINT while torch imports (C++ that calls back into Python: an interrupt raised there aborts the
+    process, exit -6) is held until the import has finished, then exits 130 with the one line."""
+    marker = tmp_path / "imported"
+    script = f"""
+import os, signal, sys, time
+from pathlib import Path
+assert "torch" not in sys.modules
+class Interrupting:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # an interrupt not held is raised here
+            Path({str(marker)!r}).write_text("the import went on")
+from normswap import cli
+sys.meta_path.insert(0, Interrupting())
+sys.argv = ["normswap", "convert", {str(tiny_gguf)!r}, "-o", {str(tmp_path / "out")!r}]
+cli.main()
+"""
+    (tmp_path / "interrupting_import.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    args = [sys.executable, "-m", "interrupting_import"]
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr)
+    assert marker.read_text() == "the import went on"
+    assert proc.stderr.splitlines()[-1].startswith("normswap: interrupted"), proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists(), proc.stderr
+
+
 # ------------------------------------------------------------------ messages that name the cause and the fix
 def test_float16_overflow_is_named_not_called_broken(tiny_model):
     """A model that is finite in float32 but overflows float16 (Gemma 3 does): the line says so and names
