@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap import progress
 from normswap.affine_fold import fold_affine, plan_affine
 from normswap.config import KEEP_VS_CENTER, KEEP_VS_ROTATE, NORM_CHOICES
 from normswap.errors import NormswapError
@@ -76,6 +77,57 @@ class ConvertReport:
             "centering": self.centering,
             "check": self.check,
         } | extra
+
+
+class Store:
+    """Where the weights ``convert`` changes live, and how its steps reach them.
+
+    This class is the model's own Parameters, changed in place: ``convert``'s default. A model whose large
+    weights stay on disk (``normswap.stream.store.ShardStore``) overrides the hooks: the plans read values
+    with ``read``/``read_rows``, untying makes placeholders with ``copy``, centering and the rotation turn
+    each change of a weight on disk into a transform, and ``fold`` leaves its records for the writer. The
+    steps and their order are ``convert``'s either way.
+
+    Attributes:
+        read: ``name -> tensor``, a parameter's values for the rotation's plan; None: the Parameter itself.
+        read_rows: the same for the fold plan's range test (``normswap.fold.plan``'s ``read``).
+        copy: how untying makes a Parameter's own copy (``normswap.fold.untie_parameters``); None: a clone.
+    """
+
+    read = None
+    read_rows = None
+    copy = None
+
+    def run(self, step):
+        """``step()``: a store may turn the errors its weights raise into one line."""
+        return step()
+
+    def settle(self) -> None:
+        """Called between two steps: a store may give back the memory the last one freed."""
+
+    def center(self, model: nn.Module, walk: Walk, inputs, *, untie: bool, add_biases: bool):
+        """``normswap.center.center`` in place; its ``CenterResult``."""
+        from normswap.center import center
+
+        return center(model, walk, inputs, untie=untie, add_biases=add_biases)
+
+    def fold_and_rotate(self, model: nn.Module, plan, sites, folding, kind: str, seed: int, matrices=None):
+        """``normswap.rotate.fold_and_rotate`` in place; its ``Rotation``."""
+        from normswap.rotate import fold_and_rotate
+
+        return fold_and_rotate(model, plan, sites, folding, kind, seed, matrices=matrices)
+
+    def fold(self, model: nn.Module, walk: Walk, folding, scales: dict, skip: set[str]) -> int:
+        """Fold ``folding``'s sites but ``skip`` (the rotation folded those) with their ``scales``
+        (``normswap.fold.scale_and_shift``, read before any fold) and the per-channel affine sites
+        (``normswap.affine_fold``), in place; returns how many affine sites were folded."""
+        for site in folding.sites:
+            if site.name not in skip:
+                fold_site(model, site, scales[site.name])
+        affine = plan_affine(model, walk)  # BatchNorm / NoNorm: into a producer or consumers
+        for site in affine:
+            fold_affine(model, site)
+        return len(affine)
 
 
 ROTATED_INPUTS = {
@@ -393,6 +445,7 @@ def convert(
     rotate_learn=None,
     rotate_calibration: list[torch.Tensor] | None = None,
     rotate_progress: bool = False,
+    store: Store | None = None,
 ) -> ConvertReport:
     """Fold every foldable norm into its consumers and swap every norm for a fused module, in place.
 
@@ -431,6 +484,9 @@ def convert(
         keep_hidden_states: keep every hidden state the model returns (``output_hidden_states``, the base
             model's ``last_hidden_state``) the original's: a norm whose output is returned (the final norm) is
             not folded into the head, and centering and rotation, which move every hidden state, are refused.
+        store: where the weights live (``Store``; default: the model's Parameters, changed in place; a
+            streamed model's, ``normswap.stream.store.ShardStore``, whose fold is applied as its shards are
+            written).
 
     Returns:
         A ``ConvertReport``. Every parameter it creates is an ordinary tensor, also when called inside
@@ -452,6 +508,7 @@ def convert(
         raise ValueError(KEEP_VS_CENTER)
     if rotate is not None and keep_hidden_states:
         raise ValueError(KEEP_VS_ROTATE)
+    store = store if store is not None else Store()
     inputs = trace_inputs(input_ids, example_inputs)
     result = traced if traced is not None else walk(model, inputs, keep_hidden_states=keep_hidden_states)
     if not result.sites:
@@ -468,52 +525,60 @@ def convert(
             raise ValueError("rotate needs fold=True: a rotation needs every norm on the stream weightless")
         # checkpoint tensors the class does not run (an MTP layer) would read a rotated stream: the CLI
         # refuses them before converting, save_converted(input_path=...) before writing (normswap.io.carry)
-        rotation_plan = plan_rotation(model, result, inputs, untie=untie, heads=rotate_heads)
+        progress.note("planning the rotation of the residual stream ...")
+        rotation_plan = store.run(
+            lambda: plan_rotation(model, result, inputs, untie=untie, heads=rotate_heads, read=store.read)
+        )
+        store.settle()
     learned = None
     if rotate == "learned":  # from a copy of the model as it is now: nothing changed yet
         learned = _learn(model, untie, rotate_seed, rotate_heads, rotate_learn, rotate_calibration,
                          rotate_progress, input_ids=input_ids, example_inputs=example_inputs)  # fmt: skip
     centering = not_centered = None
     if norm == "rmsnorm":
-        from normswap.center import center
-
-        centering = center(model, result, inputs, untie=untie, add_biases=fold)
+        progress.note("centering the LayerNorms' inputs ...")
+        centering = store.run(lambda: store.center(model, result, inputs, untie=untie, add_biases=fold))
+        store.settle()
     elif rotation_plan is not None and rotation_plan.keep_ones:  # LayerNorms read the stream: center first
-        from normswap.center import CenteringError, center
+        from normswap.center import CenteringError
 
+        progress.note("centering the LayerNorms' inputs before the rotation ...")
         try:
-            centering = center(model, result, inputs, untie=untie, add_biases=fold)
+            centering = store.run(lambda: store.center(model, result, inputs, untie=untie, add_biases=fold))
             norm = "rmsnorm"
         except CenteringError as error:  # left unchanged: rotated uncentered, Q 1 = 1 keeps LayerNorm exact
             not_centered = getattr(error, "what", None) or str(error)
+        store.settle()
     report = ConvertReport(
         model=_model_name(model), norm=norm, norms_found=len(result.sites), norms_folded=0, norms_swapped=0,
         sites=result.sites, untouched=result.untouched, probe_failures=dict(result.probe_failures),
         keep_hidden_states=keep_hidden_states,
     )  # fmt: skip
     if fold:
-        folding = plan(model, result, untie=untie)
+        progress.note("planning the folds (each consumer weight read once) ...")
+        folding = store.run(lambda: plan(model, result, untie=untie, read=store.read_rows))
         if folding.untie_bytes:
             log.info("untying %s costs %d extra bytes", ", ".join(f"{m}.{a}" for m, a in folding.untie),
                      folding.untie_bytes)  # fmt: skip
-        untied = untie_checked(model, folding, inputs)
+        untied = store.run(lambda: untie_checked(model, folding, inputs, copy=store.copy))
         # every scale is read before any norm is reset: norms sharing one Parameter fold with its value
         scales = {s.name: scale_and_shift(s, model.get_submodule(s.name)) for s in folding.sites}
         stream = set()
         if rotation_plan is not None:  # before any fold: a refusal undoes the untying
-            from normswap.rotate import RotationError, check_folding, fold_and_rotate
+            from normswap.rotate import RotationError, check_folding
 
             check_folding(model, result, rotation_plan, folding, untied)
             stream = set(rotation_plan.stream_sites)  # these fold in the rotation's float64 pass
+            progress.note(f"rotating the residual stream ({rotate}) ...")
             try:
-                report.rotation = fold_and_rotate(
+                report.rotation = store.fold_and_rotate(
                     model,
                     rotation_plan,
                     result.sites,
                     folding,
                     rotate,
                     rotate_seed,
-                    matrices=None if learned is None else learned[0],
+                    None if learned is None else learned[0],
                 )
             except RotationError:
                 untied.restore()
@@ -525,13 +590,10 @@ def convert(
             describe_inputs(model, report.rotation, centering)
         report.untied = untied.names
         report.untie_bytes = folding.untie_bytes
-        for site in folding.sites:
-            if site.name not in stream:
-                fold_site(model, site, scales[site.name])
-        affine = plan_affine(model, result)  # BatchNorm / NoNorm: into a producer or consumers
-        for site in affine:
-            fold_affine(model, site)
-        report.norms_folded = len(folding.sites) + len(affine)
+        report.norms_folded = len(folding.sites) + store.fold(model, result, folding, scales, stream)
+        for site in result.sites:
+            if site.foldable and not site.folded:
+                site.reason = site.reason or "not folded"
     else:
         for site in result.sites:
             if site.foldable:

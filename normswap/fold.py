@@ -175,7 +175,7 @@ def _clone(name: str, old: nn.Parameter) -> nn.Parameter:
 def untie_parameters(
     model: nn.Module,
     owners: list[tuple[str, str]],
-    copy: Callable[[str, nn.Parameter], nn.Parameter] = _clone,
+    copy: Callable[[str, nn.Parameter], nn.Parameter] | None = None,
 ) -> Untied:
     """Give each ``(module_name, attribute)`` its own copy of the Parameter it shares.
 
@@ -184,6 +184,7 @@ def untie_parameters(
     loads untied. ``copy(qualified_name, old)`` makes the new Parameter (default: a clone of the values;
     ``normswap.stream`` passes a placeholder read from the checkpoint).
     """
+    copy = copy if copy is not None else _clone
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     untied = Untied()
     for module_name, attr in owners:
@@ -215,7 +216,7 @@ PROOF_POSITIONS = 8  # positions of the untie proof's two forwards, for token id
 
 
 @torch.no_grad()
-def untie_checked(model: nn.Module, folding: FoldPlan, inputs=None, copy=_clone) -> Untied:
+def untie_checked(model: nn.Module, folding: FoldPlan, inputs=None, copy=None) -> Untied:
     """Untie what ``folding`` needs, after proving that untying alone changes nothing.
 
     Some models read ``tie_word_embeddings`` while running (T5-style decoders rescale their output when it is

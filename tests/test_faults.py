@@ -519,18 +519,22 @@ def _no_collect(monkeypatch):
     """The streamed path collects garbage after every tensor (``release_memory``): 0.7 s each in a test
     process holding every earlier test's objects. It frees memory and changes no byte; skipped here."""
     import normswap.stream.convert as stream_convert
+    import normswap.stream.store as stream_store
 
     monkeypatch.setattr(stream_convert, "release_memory", lambda: None)
+    monkeypatch.setattr(stream_store, "release_memory", lambda: None)
 
 
 @pytest.fixture(scope="module")
 def previous(small_other, tmp_path_factory) -> dict[tuple, Path]:
     """A complete earlier output of normswap of ``small_other``, in memory and streamed (copied per test)."""
     import normswap.stream.convert as stream_convert
+    import normswap.stream.store as stream_store
 
     folders = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(stream_convert, "release_memory", lambda: None)  # as _no_collect
+        patch.setattr(stream_store, "release_memory", lambda: None)
         for streamed in ((), STREAMED):
             out = tmp_path_factory.mktemp("previous") / "out"
             result = run("convert", small_other, "--output", out, *FEW, *streamed)

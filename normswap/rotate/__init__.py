@@ -175,7 +175,7 @@ def fold_and_rotate(model, plan: RotationPlan, sites, folding, kind: str, seed: 
         folding: ``normswap.fold.plan``: the stream norms it folds fold here, in the rotation's float64 pass
             (the caller folds the others).
         kind, seed: the matrices' (``make_matrices``).
-        defer, read: as ``apply``'s (``normswap.stream.transforms.rotate`` passes them).
+        defer, read: as ``apply``'s (``normswap.stream.store.ShardStore`` passes them).
         matrices: the matrices to apply (``"Q"``, and ``"H"`` with heads; a learned ``Q``) instead of
             drawing them with ``make_matrices``.
 

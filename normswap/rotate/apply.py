@@ -227,7 +227,7 @@ def plan_changes(
 ) -> Changes:
     """Which tensor gets which fold and matrix, on which axis and side; changes nothing.
 
-    The in-memory conversion (``apply``) and the streamed one (``normswap.stream.transforms.rotate``) both
+    The in-memory conversion (``apply``) and the streamed one (``normswap.stream.store.ShardStore``) both
     take their changes from here, so both compute the same float64 arithmetic in the same order.
 
     Args:

@@ -8,12 +8,10 @@ Every step runs on one device (``--device``: the CPU or a GPU), with one module'
    512 tokens of a 1.1B Llama, and the dataflow it records does not depend on the length);
 2. reference logits of the original, streamed the same way (the localization records in a temporary file,
    ``stream.records``, so the memory does not grow with the layer count);
-3. with ``--rotate``, the rotation planned (``normswap.rotate.plan_rotation`` on the streamed model, as in
-   memory before centering); with ``--norm rmsnorm`` (or a rotation of a LayerNorm stream), centering
-   (``stream.transforms.center``: the in-memory plan, each change of a weight a transform applied as it is
-   read); ``normswap.fold.plan``; untying proved on two streamed forwards as ``normswap.fold.untie_checked``
-   does; the rotation (``stream.transforms.rotate``: the stream norms folded and every rotated weight a
-   transform, as in memory);
+3. ``normswap.convert.convert`` itself, on the streamed model with its weights as the store
+   (``stream.store.ShardStore``): the rotation's plan, centering, the fold plan, the untie proof and the
+   rotation, the in-memory steps in their order, each change of a weight on disk a transform applied as it
+   is read; the folds are left as records for the writer;
 4. every output shard written tensor by tensor with the plan applied (``stream.plan``), into a hidden
    folder beside the output (``normswap.io.staging.Staging``), in the input's shard layout, with its index;
    every checkpoint tensor is written, also those the model class does not run (``stream.model.build``:
@@ -35,7 +33,6 @@ tokenizer and report, runs the check and the verification and exchanges the fold
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import os
@@ -51,9 +48,10 @@ from normswap.errors import NormswapError
 from normswap.io import carry, staging
 from normswap.io.shards import INDEX, CheckpointReader, ShardWriter, nbytes, write_index
 from normswap.stream import dist
-from normswap.stream.model import Streamed, StreamedParameter, build, is_released
+from normswap.stream.model import build
 from normswap.stream.plan import by_rows, layout, make_pieces, make_row_pieces, make_tensor, tensor_plans
 from normswap.stream.records import DiskRecords
+from normswap.stream.store import ShardStore, release_memory, unmap_freed_weights
 from normswap.stream.verify import fingerprint, record, verify_streamed
 from normswap.walk import short_inputs
 
@@ -229,51 +227,6 @@ def _causal_lm_name(model: str, config) -> str:
     raise NormswapError(f"{model}: transformers has no causal-LM class for model type {config.model_type!r}")
 
 
-def _libc():
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
-def unmap_freed_weights() -> None:
-    """On glibc, serve every block of 128 KiB or more with its own memory map, returned to the OS when freed.
-
-    By default glibc raises that threshold to the size of the last large block freed (up to 32 MiB), so the
-    weights of a streamed forward come from the heap, where the small tensors allocated in between pin
-    them: measured, the peak then grew by about 20 MB per Llama layer (hidden 1024). A fixed 1 MiB
-    threshold left about 1 MB per layer: activations of 128 KiB-1 MiB (a k/v projection of 512 tokens,
-    the check's float64 samples) fragment the heap. At 128 KiB (glibc's initial value, kept fixed) a
-    streamed forward's RSS stays flat from layer to layer. Process-wide (``mallopt(M_MMAP_THRESHOLD)``);
-    other allocators are left alone.
-    """
-    libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD (also turns off the dynamic threshold)
-
-
-def release_memory() -> None:
-    """Return freed memory to the OS now: collect reference cycles (a forward's outputs, hooks) and, on
-    glibc, trim the heap. Called between the stages, so one stage's tensors never add to the next one's."""
-    import gc
-
-    gc.collect()
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc; other allocators keep their own policy
-        libc.malloc_trim(0)
-
-
-def _untie_checked(streamed: Streamed, folding, input_ids: torch.Tensor):
-    """``normswap.fold.untie_checked`` on a streamed model (same proof, same rule), each untied Parameter a
-    placeholder read from the tensor it was tied to (``Streamed.copy``); returns its ``Untied``."""
-    from normswap.fold import untie_checked
-
-    return untie_checked(streamed.model, folding, input_ids, copy=streamed.copy)
-
-
 def write_shards(
     reader: CheckpointReader,
     plans,
@@ -409,8 +362,8 @@ def convert_streamed(
         output: the output directory (checked by ``normswap.io.check_output_dir`` by the caller).
         input_ids: ``(1, T)`` ids of the check (and of the walk, as in memory).
         untie: allow untying a tied ``lm_head`` to fold the final norm into it.
-        norm: ``"keep"``, or ``"rmsnorm"``: center the LayerNorms into RMSNorms first
-            (``stream.transforms.center``, as ``normswap.convert`` does in memory).
+        norm: ``"keep"``, or ``"rmsnorm"``: center the LayerNorms into RMSNorms first (as
+            ``normswap.convert`` does in memory).
         rotate, rotate_seed, rotate_heads: rotate the residual stream (``"hadamard"`` or ``"random"``), as
             ``normswap.convert`` does in memory: the same tensors, ``ROTATION_FILE`` and records, bit for bit
             (a LayerNorm stream centered first where it can be).
@@ -441,15 +394,7 @@ def convert_streamed(
     """
     from normswap import files
     from normswap.check import compare, reference_outputs, reload_original
-    from normswap.convert import (
-        ROTATED_INPUTS,
-        ConvertReport,
-        already_converted,
-        describe_inputs,
-        no_norms_message,
-        stream_transform,
-    )
-    from normswap.fold import plan
+    from normswap.convert import already_converted, convert, no_norms_message, stream_transform
     from normswap.io.save import input_manifest, report_dict
     from normswap.io.staging import MANIFEST, Staging
     from normswap.progress import Stages
@@ -467,6 +412,7 @@ def convert_streamed(
     stages = stages if stages is not None else Stages()
     trusted = source.trust_remote_code
     streamed = build(source.config, source.reader, source.dtype, device, trust_remote_code=trusted)
+    store = ShardStore(streamed, source.info.source)
     inputs = carry.gather(source.info)  # the other files of the input
     inputs.skipped = streamed.skipped  # tensors the class does not run: every checkpoint tensor is written
     if norm != "keep" or rotate is not None:
@@ -474,86 +420,39 @@ def convert_streamed(
         carry.refuse_changed_stream(source.info.source, streamed.model, inputs.skipped, option)
     stages.start("walk", "finding the norms and their consumers (streamed)")
     walk_ids = short_inputs(input_ids)
-    traced = _guarded(lambda: walk(streamed.model, walk_ids, keep_hidden_states=keep_hidden_states), source)
+    traced = store.run(lambda: walk(streamed.model, walk_ids, keep_hidden_states=keep_hidden_states))
     if not traced.sites:
         raise NormswapError(f"{source.info.source}: {no_norms_message(traced)}; nothing to convert")
     manifest = input_manifest(source.info.path)
     already_converted(source.info.source, streamed.model, traced.sites, norm, manifest, rotate=rotate)
     inputs.kept = carry.keep_final_norms(streamed.model, traced.sites, inputs.skipped)
-    release_memory()
+    store.settle()
     reference = None
     if dist.is_main():  # only the main process checks
         stages.start("reference", f"running the original on {input_ids.shape[-1]} tokens (streamed)")
         rerun = reload_original(lambda: _original(source, device))
-        reference = _guarded(
+        reference = store.run(
             lambda: reference_outputs(
                 streamed.model, input_ids, sites=traced.sites, records=records, rerun=rerun
-            ),
-            source,
+            )
         )
-    release_memory()
+    store.settle()
     stages.start("convert", f"folding the norms into {len(source.reader.files)} shard(s) as they are written")
-    centered = embeds = rotation_plan = not_centered = None
-
-    def read(name):
-        return _values(streamed.model, name)
-
-    if rotate is not None:
-        from normswap.rotate import KINDS, plan_rotation
-
-        if rotate not in KINDS:
-            raise ValueError(f"rotate must be one of {KINDS}, got {rotate!r}")
-        progress.note("planning the rotation of the residual stream (streamed) ...")
-        rotation_plan = _guarded(lambda: plan_rotation(streamed.model, traced, walk_ids, untie=untie,
-                                                       heads=rotate_heads, read=read), source)  # fmt: skip
-        release_memory()
-    from normswap.stream.transforms import center
-
+    embeds = None
     if dist.is_main() and (norm == "rmsnorm" or rotate is not None):  # to prove the inputs_embeds map
         from normswap.center.inputs import original_embeds
 
-        embeds = _guarded(lambda: original_embeds(streamed.model, input_ids), source)
-    if norm == "rmsnorm":
-        progress.note("centering the LayerNorms' inputs (streamed) ...")
-        centered = _guarded(lambda: center(streamed, traced, walk_ids, untie=untie), source)
-        release_memory()
-    elif rotation_plan is not None and rotation_plan.keep_ones:  # LayerNorms read the stream: center first
-        from normswap.center import CenteringError
-
-        progress.note("centering the LayerNorms' inputs before the rotation (streamed) ...")
-        try:
-            centered = _guarded(lambda: center(streamed, traced, walk_ids, untie=untie), source)
-            norm = "rmsnorm"
-        except CenteringError as error:  # unchanged: rotated uncentered, Q 1 = 1 keeps LayerNorm exact
-            not_centered = getattr(error, "what", None) or str(error)
-        release_memory()
-    progress.note("planning the folds (each consumer weight read once) ...")
-    folding = plan(
-        streamed.model, traced, untie=untie, read=lambda name: _values(streamed.model, name, rows=True)
-    )
-    untie_record = _guarded(lambda: _untie_checked(streamed, folding, input_ids), source) if untie else None
-    untied = untie_record.names if untie_record is not None else []
-    if centered is not None:  # centering may untie an embedding written into the residual stream
-        untied = centered.untied + untied
-    rotation = None
-    writes = folding
-    if rotation_plan is not None:
-        from normswap.fold import Untied
-        from normswap.rotate import check_folding
-        from normswap.stream.transforms import rotate as rotate_streamed
-
-        check_folding(streamed.model, traced, rotation_plan, folding, untie_record or Untied())
-        progress.note(f"rotating the residual stream ({rotate}; each weight as it is written) ...")
-        rotation = rotate_streamed(streamed, rotation_plan, traced.sites, folding, rotate, rotate_seed)
-        rotation.centered = centered is not None and centered.note is None
-        rotation.not_centered = not_centered
-        describe_inputs(streamed.model, rotation, centered)
-        stream_sites = set(rotation_plan.stream_sites)  # folded in the rotation's float64 pass
-        writes = dataclasses.replace(folding, sites=[s for s in folding.sites if s.name not in stream_sites])
-    plans = tensor_plans(streamed, writes, source.dtype)
+        embeds = store.run(lambda: original_embeds(streamed.model, input_ids))
+    # the in-memory steps (centering, the plans, untying, the rotation), each change of a weight on disk
+    # a transform; the folds are applied as the shards are written
+    report = convert(streamed.model, norm=norm, untie=untie, swap=False, input_ids=walk_ids, traced=traced,
+                     rotate=rotate, rotate_seed=rotate_seed, rotate_heads=rotate_heads,
+                     keep_hidden_states=keep_hidden_states, store=store)  # fmt: skip
+    rotation = report.rotation
+    plans = tensor_plans(streamed, store.writes, source.dtype)
     config = streamed.model.config
     streamed.close()  # holds only the 1-D parameters from here on
-    release_memory()
+    store.settle()
     stage = contextlib.ExitStack()  # the main process's Staging, held from here to the end
     staged: list[Staging] = []
 
@@ -568,22 +467,6 @@ def convert_streamed(
         # the most bytes of made tensors this process held at once
         write_peak = dist.all_ok(lambda: write_shards(source.reader, plans, built, mine, written, device))
         written = dist.merged(written)
-        for site in folding.sites:
-            site.folded = True
-        report = ConvertReport(
-            model=source.info.source, norm=norm, norms_found=len(traced.sites),
-            norms_folded=len(folding.sites), norms_swapped=0, sites=traced.sites, untied=untied,
-            untie_bytes=folding.untie_bytes + (centered.untie_bytes if centered else 0),
-            untouched=traced.untouched, probe_failures=dict(traced.probe_failures),
-            keep_hidden_states=keep_hidden_states,
-            centering=centered.to_dict() if centered is not None and centered.note is None else None,
-            rotation=rotation,
-        )  # fmt: skip
-        if report.centering is not None and rotation is not None:
-            report.centering["inputs"] = dict(ROTATED_INPUTS)
-        for site in traced.sites:
-            if site.foldable and not site.folded:
-                site.reason = site.reason or "not folded"
         passed = True
         if dist.is_main():
             _write_metadata(source, plans, built, config, inputs)
@@ -593,12 +476,12 @@ def convert_streamed(
 
                 write_extra_tensors(built, {ROTATION_FILE: rotation.saved_tensors()})
                 rotate_reference(reference, rotation)  # the original's stream records, as the rotated model
-            release_memory()
+            store.settle()
             stages.start("check", "comparing the converted model's outputs with the original's (streamed)")
             written_reader = CheckpointReader(built)
             converted = build(config, written_reader, source.dtype, device, trust_remote_code=trusted)
             report.norms_swapped = swap_norms(converted.model, traced.sites)
-            checked = _guarded(
+            checked = store.run(
                 lambda: compare(
                     reference,
                     converted.model,
@@ -606,21 +489,20 @@ def convert_streamed(
                     records=records,
                     transform=stream_transform(report),
                     keep_hidden_states=keep_hidden_states,
-                ),
-                source,
+                )
             )
             extra = {}
             if rotation is not None:  # normswap/inputs_embeds.json, proved on the check's ids as in memory
                 from normswap.check.maps import prove_rotated
 
                 matrices = {name: m.values for name, m in rotation.matrices.items()}
-                extra = _guarded(lambda: prove_rotated(rotation.inputs, reference, converted.model, embeds,
-                                                       matrices, checked), source)  # fmt: skip
-            elif centered is not None:  # centering.json, proved on the check's ids as in memory
+                extra = store.run(lambda: prove_rotated(rotation.inputs, reference, converted.model, embeds,
+                                                        matrices, checked))  # fmt: skip
+            else:  # centering.json, proved on the check's ids as in memory
                 from normswap.check.maps import prove_centered
 
-                extra = _guarded(lambda: prove_centered(report.centering, reference, converted.model, embeds,
-                                                        checked), source)  # fmt: skip
+                extra = store.run(lambda: prove_centered(report.centering, reference, converted.model, embeds,
+                                                         checked))  # fmt: skip
             for name, text in extra.items():
                 (built / name).parent.mkdir(parents=True, exist_ok=True)
                 files.write_text(built / name, text)
@@ -628,7 +510,7 @@ def convert_streamed(
             passed = bool(checked.passed)
             expected = None
             if passed or force:  # what the saved copy must reproduce
-                expected = _guarded(lambda: record(converted.model, input_ids, written, source.dtype), source)
+                expected = store.run(lambda: record(converted.model, input_ids, written, source.dtype))
             converted.close()
             peak = max(streamed.peak, converted.peak, write_peak)
             del converted, written
@@ -657,9 +539,9 @@ def convert_streamed(
             files.write_json(built / MANIFEST, data)
             staging.at_stage("written")
             if passed or force:  # verified where it was written; it replaces the output only then
-                release_memory()
+                store.settle()
                 stages.start("verify", f"{out} by a fresh load (streamed)")
-                verified = _guarded(lambda: verify_streamed(built, expected, trusted, device), source)
+                verified = store.run(lambda: verify_streamed(built, expected, trusted, device))
                 if rotation is not None:
                     from normswap.rotate import check_saved
 
@@ -706,25 +588,3 @@ def _original(source: Source, device) -> torch.nn.Module:
     return build(
         source.config, source.reader, source.dtype, device, trust_remote_code=source.trust_remote_code
     ).model
-
-
-def _values(model: torch.nn.Module, name: str, rows: bool = False) -> torch.Tensor:
-    """Parameter ``name`` of a streamed model with its values (read from the checkpoint when released); with
-    ``rows``, a parameter read by rows as it is (``fold.input_peaks`` reads it one expert at a time)."""
-    p = model.get_parameter(name)
-    if rows and isinstance(p, StreamedParameter) and p.by_rows():
-        return p
-    return copy.deepcopy(p) if isinstance(p, StreamedParameter) and is_released(p) else p
-
-
-def _guarded(fn, source: Source):
-    """Run ``fn``; a forward that reads a streamed weight outside its module becomes one clear line."""
-    try:
-        return fn()
-    except RuntimeError as error:
-        if "storage" in str(error) and "size 0" in str(error):
-            raise NormswapError(
-                f"{source.info.source}: cannot be streamed: a weight is read outside the module that holds "
-                f"it ({str(error).splitlines()[0]})"
-            ) from error
-        raise
