@@ -184,8 +184,8 @@ def floor_forwards(model: str, streamed: bool, tokens: int = 512) -> dict:
     from normswap.io import load_model
 
     if streamed:
-        from normswap.stream.convert import open_source
         from normswap.stream.model import build
+        from normswap.stream.source import open_source
 
         source = open_source(model, "auto")
         ids = default_input_ids(source.tokenizer, tokens)

@@ -207,7 +207,7 @@ import contextlib, io, json, os, re, sys
 import torch
 from safetensors import safe_open
 from normswap.cli import main
-from normswap.stream.convert import parse_size
+from normswap.stream.source import parse_size
 
 model, out, report, budget = sys.argv[1:5]
 device = os.environ["DEVICE"]
@@ -272,7 +272,7 @@ auto_stream() {  # the automatic streaming choice: plain convert, no memory flag
   # A ballast process takes all but $AUTO_FREE of the GPU, so the in-memory path (~3x the bf16 model) cannot fit.
   python3 - "$AUTO_FREE" "$OUT/ballast.ready" <<'PY' &
 import sys, time, torch
-from normswap.stream.convert import parse_size
+from normswap.stream.source import parse_size
 free, total = torch.cuda.mem_get_info()
 keep = parse_size(sys.argv[1])
 ballast = torch.empty(max(0, free - keep), dtype=torch.uint8, device="cuda")

@@ -59,8 +59,8 @@ def main(checkpoint, layer):
     from normswap.check import default_input_ids
     from normswap.check.core import upcast
     from normswap.fold import scale_axis_
-    from normswap.stream.convert import open_source
     from normswap.stream.model import build
+    from normswap.stream.source import open_source
 
     source = open_source(checkpoint, "auto")
     ids = default_input_ids(source.tokenizer, 512)

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap import progress
 from normswap.affine_fold import fold_affine, plan_affine
 from normswap.config import KEEP_VS_CENTER, KEEP_VS_ROTATE, NORM_CHOICES
 from normswap.errors import NormswapError
@@ -104,6 +103,9 @@ class Store:
 
     def settle(self) -> None:
         """Called between two steps: a store may give back the memory the last one freed."""
+
+    def note(self, step: str) -> None:
+        """A step begins: a store whose steps take long may say so (``normswap.progress.note``)."""
 
     def center(self, model: nn.Module, walk: Walk, inputs, *, untie: bool, add_biases: bool):
         """``normswap.center.center`` in place; its ``CenterResult``."""
@@ -525,7 +527,7 @@ def convert(
             raise ValueError("rotate needs fold=True: a rotation needs every norm on the stream weightless")
         # checkpoint tensors the class does not run (an MTP layer) would read a rotated stream: the CLI
         # refuses them before converting, save_converted(input_path=...) before writing (normswap.io.carry)
-        progress.note("planning the rotation of the residual stream ...")
+        store.note("planning the rotation of the residual stream")
         rotation_plan = store.run(
             lambda: plan_rotation(model, result, inputs, untie=untie, heads=rotate_heads, read=store.read)
         )
@@ -536,13 +538,13 @@ def convert(
                          rotate_progress, input_ids=input_ids, example_inputs=example_inputs)  # fmt: skip
     centering = not_centered = None
     if norm == "rmsnorm":
-        progress.note("centering the LayerNorms' inputs ...")
+        store.note("centering the LayerNorms' inputs")
         centering = store.run(lambda: store.center(model, result, inputs, untie=untie, add_biases=fold))
         store.settle()
     elif rotation_plan is not None and rotation_plan.keep_ones:  # LayerNorms read the stream: center first
         from normswap.center import CenteringError
 
-        progress.note("centering the LayerNorms' inputs before the rotation ...")
+        store.note("centering the LayerNorms' inputs before the rotation")
         try:
             centering = store.run(lambda: store.center(model, result, inputs, untie=untie, add_biases=fold))
             norm = "rmsnorm"
@@ -555,7 +557,7 @@ def convert(
         keep_hidden_states=keep_hidden_states,
     )  # fmt: skip
     if fold:
-        progress.note("planning the folds (each consumer weight read once) ...")
+        store.note("planning the folds (each consumer weight read once)")
         folding = store.run(lambda: plan(model, result, untie=untie, read=store.read_rows))
         if folding.untie_bytes:
             log.info("untying %s costs %d extra bytes", ", ".join(f"{m}.{a}" for m, a in folding.untie),
@@ -569,7 +571,7 @@ def convert(
 
             check_folding(model, result, rotation_plan, folding, untied)
             stream = set(rotation_plan.stream_sites)  # these fold in the rotation's float64 pass
-            progress.note(f"rotating the residual stream ({rotate}) ...")
+            store.note(f"rotating the residual stream: {rotate}")
             try:
                 report.rotation = store.fold_and_rotate(
                     model,

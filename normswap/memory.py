@@ -261,7 +261,7 @@ class Choice:
         reason: one line saying why, when normswap chose to stream (None when the user chose).
         estimate: the in-memory estimate (None when none was made).
         available: the memory available (None when not measured).
-        source: the opened checkpoint (``normswap.stream.convert.open_source``) when streaming.
+        source: the opened checkpoint (``normswap.stream.source.open_source``) when streaming.
     """
 
     stream: bool
@@ -354,7 +354,7 @@ def decide(
     """``normswap convert``'s choice for MODEL: the in-memory path, or streaming with which budget.
 
     With ``max_memory`` (a size such as ``"2GiB"``): MODEL is opened for streaming (a hub id's weights are
-    fetched, ``stream.convert.open_source``) and streamed when its weights exceed it. Otherwise, unless
+    fetched, ``stream.source.open_source``) and streamed when its weights exceed it. Otherwise, unless
     ``no_stream``: the checkpoint's headers and config are read (a hub id's over HTTP, without its
     weights) and ``choose`` decides; a checkpoint that cannot be streamed (a GGUF file, an encoder, weights
     that are not safetensors) runs in memory, as does one whose headers cannot be read (its load then says
@@ -365,8 +365,8 @@ def decide(
             a model that cannot be streamed (see ``open_source``).
     """
     from normswap.errors import NormswapError
-    from normswap.stream import convert as stream
     from normswap.stream import dist
+    from normswap.stream import source as stream
 
     if max_memory is not None:
         if no_stream:

@@ -1,17 +1,19 @@
 """``convert_pretrained``: what ``normswap convert`` does, as one Python call.
 
-load -> walk -> reference -> convert -> check -> save -> verify, in memory or streamed shard by shard
-(``normswap.memory.decide`` picks; ``normswap.stream`` streams), with the CLI's outputs, refusals and
-report. The CLI turns its flags into ``ConvertOptions``, calls ``convert_pretrained`` and prints
-``ConvertResult.summary``.
+One pipeline, written once (``_convert``): load -> walk -> reference -> convert -> write -> check -> save ->
+verify, over a store that holds the weights: ``MemoryStore`` (the model loaded whole, changed in place) or
+``normswap.stream.store.ShardStore`` (streamed shard by shard, each tensor changed as it is written);
+``normswap.memory.decide`` picks. The CLI turns its flags into ``ConvertOptions``, calls
+``convert_pretrained`` and prints ``ConvertResult.summary``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from normswap import io, memory, progress
 from normswap.catalog import misspelled
@@ -20,7 +22,7 @@ from normswap.check import VOCABULARY_SEED, compare, reference_outputs, reload_o
 from normswap.check.inputs import command_input_ids, implausible_text, signal_check_inputs, vocabulary_size
 from normswap.check.maps import prove_centered, prove_rotated
 from normswap.config import ConvertOptions, OptionError
-from normswap.convert import already_converted, no_norms_message, stream_transform
+from normswap.convert import Store, already_converted, no_norms_message, stream_transform
 from normswap.convert import convert as convert_model
 from normswap.device import resolve_device
 from normswap.errors import NormswapError
@@ -29,6 +31,7 @@ from normswap.options import output_problem
 from normswap.rotate import ROTATION_FILE, RotationError, check_saved, rotate_reference
 from normswap.rotate.heads import HeadRotationError
 from normswap.summary import summary
+from normswap.swap import swap_norms
 from normswap.walk import short_inputs, walk
 
 
@@ -107,17 +110,202 @@ def convert_pretrained(
     if report is not None:
         report_file = io.check_output_file(Path(report), [model], output)
     stages.start("load", f"{model} ({options.dtype})")  # one stage: in memory or streamed, then the load
-    streamed = _convert_streamed(model, output, options, stages)
-    if streamed is not None:
-        report_dict, passed = streamed
-        if report_dict is None:  # a distributed rank other than the main one
-            failure = None if passed else "check FAILED"
-            return ConvertResult({}, passed, passed, output, "", failure, main=False)
-        verify_failed = not report_dict.get("verify", {}).get("passed", True)
-        saved = (passed and not verify_failed) or options.force
-        report_dict["saved"] = saved
-        return _result(report_dict, passed, verify_failed, saved, output, report, report_file, options)
-    return _convert_in_memory(model, output, options, stages, report, report_file)
+    store = _streamed(model, output, options) or MemoryStore.load(model, output, options, stages)
+    return _convert(store, output, options, stages, report, report_file)
+
+
+class MemoryStore(Store):
+    """The pipeline's store for a model loaded whole (``normswap.io.load_model``): ``convert`` changes its
+    Parameters in place (``normswap.convert.Store``), the checked model is the converted one, and the save
+    writes it with ``save_pretrained`` and verifies it by a fresh load (``normswap.io.save_and_verify``).
+    ``normswap.stream.store.ShardStore`` is the other store, with the same attributes and methods."""
+
+    label = ""  # said in the stages' lines
+    main = True  # this process checks and saves
+
+    def __init__(self, model: str, loaded, options: ConvertOptions, output: Path):
+        self.name, self.loaded, self.options, self.output = model, loaded, options, output
+        self.model, self.info, self.tokenizer = loaded.model, loaded.info, loaded.tokenizer
+        self.config = loaded.model.config
+        self.check_tokenizer = loaded.tokenizer
+        self.records = None  # the check's localization records: a dict in memory
+        self.inputs = None
+
+    @classmethod
+    def load(cls, model: str, output: Path, options: ConvertOptions, stages) -> MemoryStore:
+        """Load ``model`` in memory with the options' dtype, device and device map (a checkpoint stored
+        quantized is refused before it is loaded), and the check's tokenizer (``--tokenizer``)."""
+        o = options
+        loaded = io.load_model(
+            model,
+            dtype=o.dtype,
+            trust_remote_code=o.trust_remote_code,
+            tokenizer=True,  # the model's own, saved with the output; --tokenizer tokenizes the check's text
+            device=o.device,
+            device_map=o.device_map,
+            float_weights=True,
+        )
+        store = cls(model, loaded, options, output)
+        if o.tokenizer is not None:
+            store.check_tokenizer = io.load_tokenizer(io.resolve(model), o.tokenizer,
+                                                      trust_remote_code=o.trust_remote_code)  # fmt: skip
+        stages.stop(f"{loaded.info.architecture} from {loaded.info.path}")
+        return store
+
+    def signal_inputs(self):
+        """The loaded model: one that reads a waveform or an image is checked on a fixed random one."""
+        return self.model
+
+    def carried(self):
+        """Tensors the class does not run, the input's other files, its shard size (``normswap.io.carry``)."""
+        self.inputs = carry.gather(self.info, self.model)
+        return self.inputs
+
+    @property
+    def manifest(self):
+        """The input's ``normswap.json`` (a dict), or None."""
+        return io.input_manifest(self.info.path) if self.info.kind == "dir" else None
+
+    def original(self):
+        """The original model loaded again (the check's float64 rule runs it)."""
+        o = self.options
+        return io.load_model(self.name, dtype=o.dtype, trust_remote_code=o.trust_remote_code, tokenizer=False,
+                             device=o.device, device_map=o.device_map).model  # fmt: skip
+
+    def trace_inputs(self, input_ids) -> dict:
+        """``convert``'s trace inputs: the check's ids, or the random signal of a model that reads one."""
+        return (
+            {"input_ids": input_ids} if isinstance(input_ids, torch.Tensor) else {"example_inputs": input_ids}
+        )
+
+    def converting(self) -> str:
+        """What the convert stage's line says."""
+        return "folding and swapping the norms"
+
+    def writing(self):
+        """Nothing to hold: the save writes and verifies in one step (``save``)."""
+        return contextlib.nullcontext()
+
+    def write(self, report):
+        """Swap the norms in place; the model to check is the converted model itself."""
+        report.norms_swapped = swap_norms(self.model, report.sites)
+        return self.model
+
+    def save(self, data: dict, passed: bool, *, input_ids, extra_files: dict, rotation, force: bool, stages):
+        """When ``passed`` (or ``force``): written and verified beside the output, which is replaced only
+        then (``normswap.io.save_and_verify``; ``data["verify"]``)."""
+        o = self.options
+        stages.stop()
+        if not (passed or force):
+            return
+        extra = {} if rotation is None else {ROTATION_FILE: rotation.saved_tensors()}
+        inputs = self.inputs
+        self.model = None  # save_and_verify drops loaded.model before the fresh load: one model's memory
+        io.save_and_verify(
+            self.loaded, data, self.output, input_ids, overwrite=o.overwrite, force=force, inputs=inputs,
+            input_path=self.name, trust_remote_code=o.trust_remote_code, stages=stages, extra_tensors=extra,
+            extra_files=extra_files,
+            check_extra=None if rotation is None else lambda folder: check_saved(folder, rotation),
+        )  # fmt: skip
+        if inputs:  # what was copied is known only after the save
+            data["carried"] = inputs.to_dict()
+        else:
+            data.pop("carried", None)
+        stages.stop()
+        data["timings"] = dict(stages.timings)
+
+    def agree(self, passed: bool) -> bool:
+        """One process: its own verdict."""
+        return passed
+
+
+def _convert(store, output: Path, options: ConvertOptions, stages, report, report_file) -> ConvertResult:
+    """The pipeline, once, over ``store`` (``MemoryStore`` or ``normswap.stream.store.ShardStore``): walk,
+    reference, convert, write, check, save, verify."""
+    o, name = options, store.name
+    input_ids, check_input = check_ids(
+        name, store.config, store.check_tokenizer, o.tokens, store.signal_inputs()
+    )
+    inputs = store.carried()
+    if o.norm != "keep" or o.rotate is not None:
+        option = f"--norm {o.norm}" if o.rotate is None else f"--rotate {o.rotate}"
+        carry.refuse_changed_stream(name, store.model, inputs.skipped, option)
+    stages.start("walk", "finding the norms and their consumers" + store.label)
+    # the dataflow does not depend on the length
+    walk_ids = short_inputs(input_ids)
+    traced = store.run(lambda: walk(store.model, walk_ids, keep_hidden_states=o.keep_hidden_states))
+    if not traced.sites:
+        raise NormswapError(f"{name}: {no_norms_message(traced)}; nothing to convert")
+    already_converted(name, store.model, traced.sites, o.norm, store.manifest, rotate=o.rotate)
+    inputs.kept = carry.keep_final_norms(store.model, traced.sites, inputs.skipped)
+    store.settle()
+    reference = embeds = None
+    if store.main:  # only the main process checks
+        on = f"random {check_input['input']}" if "input" in check_input else f"{input_ids.shape[-1]} tokens"
+        stages.start("reference", f"running the original on {on}{store.label}")
+        rerun = reload_original(store.original)
+        reference = store.run(lambda: reference_outputs(store.model, input_ids, sites=traced.sites,
+                                                        records=store.records, rerun=rerun))  # fmt: skip
+        # the original's embeddings, to prove the inputs_embeds map of a centered or rotated model
+        # (centering.json, normswap/inputs_embeds.json); taken before the conversion changes the table
+        if o.norm == "rmsnorm" or o.rotate is not None:
+            embeds = store.run(lambda: original_embeds(store.model, input_ids))
+    store.settle()
+    learning = learn_inputs(name, o, store.tokenizer) if o.rotate == "learned" else {}
+    rotating = f", rotating ({o.rotate})" if o.rotate else ""
+    if learning:
+        s = learning["rotate_learn"]
+        rotating += f": learning Q for {s.target}, {s.steps} steps of {s.batch} x {s.length} tokens"
+    stages.start("convert", store.converting() + rotating)
+    with rotation_refused():
+        result = convert_model(store.model, norm=o.norm, untie=o.untie, swap=False, traced=traced,
+                               rotate=o.rotate, rotate_seed=o.rotate_seed, rotate_heads=o.rotate_heads,
+                               keep_hidden_states=o.keep_hidden_states, store=store,
+                               **store.trace_inputs(input_ids), **learning)  # fmt: skip
+    traced = None  # the walk's records are not needed from here on
+    data, passed = {}, True
+    with store.writing():
+        converted = store.write(result)
+        if store.main:
+            if result.rotation is not None:  # the original's stream records, as the rotated model has them
+                rotate_reference(reference, result.rotation)
+            stages.start("check", "comparing the converted model's outputs with the original's" + store.label)
+            checked = store.run(lambda: compare(reference, converted, input_ids, records=store.records,
+                                                transform=stream_transform(result),
+                                                keep_hidden_states=o.keep_hidden_states))  # fmt: skip
+            if result.rotation is None:
+                extra_files = store.run(lambda: prove_centered(result.centering, reference, converted, embeds,
+                                                               checked))  # fmt: skip
+            else:
+                matrices = {name: m.values for name, m in result.rotation.matrices.items()}
+                extra_files = store.run(lambda: prove_rotated(result.rotation.inputs, reference, converted,
+                                                              embeds, matrices, checked))  # fmt: skip
+            reference = embeds = converted = None
+            result.check = checked.to_dict()
+            data = io.report_dict(result, store.info)
+            data["check_input"] = check_input
+            if inputs:
+                data["carried"] = inputs.to_dict()
+            note_check_text(data, o.tokenizer)
+            passed = bool(checked.passed)
+            try:
+                store.save(data, passed, input_ids=input_ids, extra_files=extra_files,
+                           rotation=result.rotation, force=o.force, stages=stages)  # fmt: skip
+            except NormswapError:  # the report still tells what was converted, where it can be written
+                if report_file is not None:
+                    data["saved"] = False
+                    data["timings"] = dict(stages.timings)
+                    with contextlib.suppress(NormswapError):
+                        io.write_json(report_file, data)
+                raise
+        passed = store.agree(passed)
+    if not store.main:  # a distributed rank other than the main one
+        return ConvertResult({}, passed, passed, output, "", None if passed else "check FAILED", main=False)
+    data["timings"] = dict(stages.timings)
+    verify_failed = not data.get("verify", {}).get("passed", True)
+    saved = (passed and not verify_failed) or o.force
+    data["saved"] = saved
+    return _result(data, passed, verify_failed, saved, output, report, report_file, o)
 
 
 def _result(report_dict, passed, verify_failed, saved, output, report, report_file, options) -> ConvertResult:
@@ -131,116 +319,13 @@ def _result(report_dict, passed, verify_failed, saved, output, report, report_fi
     return ConvertResult(report_dict, passed and not verify_failed, saved, output, lines, failure)
 
 
-def _convert_in_memory(model, output, options, stages, report, report_file) -> ConvertResult:
-    o = options
-    loaded = io.load_model(
-        model,
-        dtype=o.dtype,
-        trust_remote_code=o.trust_remote_code,
-        tokenizer=True,  # the model's own, saved with the output; --tokenizer only tokenizes the check's text
-        device=o.device,
-        device_map=o.device_map,
-        float_weights=True,  # a checkpoint stored quantized is refused before it is loaded
-    )
-    check_tokenizer = loaded.tokenizer
-    if o.tokenizer is not None:
-        check_tokenizer = io.load_tokenizer(
-            io.resolve(model), o.tokenizer, trust_remote_code=o.trust_remote_code
-        )
-    stages.stop(f"{loaded.info.architecture} from {loaded.info.path}")
-    inputs = carry.gather(loaded.info, loaded.model)  # tensors the class does not run, other files, shards
-    if o.norm != "keep" or o.rotate is not None:
-        option = f"--norm {o.norm}" if o.rotate is None else f"--rotate {o.rotate}"
-        carry.refuse_changed_stream(model, loaded.model, inputs.skipped, option)
-    input_ids, check_input = check_ids(model, loaded.model.config, check_tokenizer, o.tokens, loaded.model)
-    stages.start("walk", "finding the norms and their consumers")
-    # the dataflow does not depend on the length
-    traced = walk(loaded.model, short_inputs(input_ids), keep_hidden_states=o.keep_hidden_states)
-    if not traced.sites:
-        raise NormswapError(f"{model}: {no_norms_message(traced)}; nothing to convert")
-    manifest = io.input_manifest(loaded.info.path) if loaded.info.kind == "dir" else None
-    already_converted(model, loaded.model, traced.sites, o.norm, manifest, rotate=o.rotate)
-    inputs.kept = carry.keep_final_norms(loaded.model, traced.sites, inputs.skipped)
-    on = f"random {check_input['input']}" if "input" in check_input else f"{input_ids.shape[-1]} tokens"
-    stages.start("reference", f"running the original on {on}")
-    reload = functools.partial(io.load_model, model, dtype=o.dtype, trust_remote_code=o.trust_remote_code,
-                               tokenizer=False, device=o.device, device_map=o.device_map)  # fmt: skip
-    reference = reference_outputs(loaded.model, input_ids, sites=traced.sites,
-                                  rerun=reload_original(lambda: reload().model))  # fmt: skip
-    # the original's embeddings, to prove the inputs_embeds map of a centered or rotated model
-    # (centering.json, normswap/inputs_embeds.json); taken before the conversion changes the table
-    moves = o.norm == "rmsnorm" or o.rotate is not None
-    embeds = original_embeds(loaded.model, input_ids) if moves else None
-    learning = learn_inputs(model, o, loaded.tokenizer) if o.rotate == "learned" else {}
-    rotating = f", rotating ({o.rotate})" if o.rotate else ""
-    if learning:
-        s = learning["rotate_learn"]
-        rotating += f": learning Q for {s.target}, {s.steps} steps of {s.batch} x {s.length} tokens"
-    stages.start("convert", "folding and swapping the norms" + rotating)
-    traced_with = {"example_inputs": input_ids} if "input" in check_input else {"input_ids": input_ids}
-    with rotation_refused():
-        result = convert_model(loaded.model, norm=o.norm, untie=o.untie, traced=traced, rotate=o.rotate,
-                               rotate_seed=o.rotate_seed, rotate_heads=o.rotate_heads,
-                               keep_hidden_states=o.keep_hidden_states, **traced_with,
-                               **learning)  # fmt: skip
-    if result.rotation is not None:  # the original's stream records, as the rotated model computes them
-        rotate_reference(reference, result.rotation)
-    stages.start("check", "comparing the converted model's outputs with the original's")
-    checked = compare(reference, loaded.model, input_ids, transform=stream_transform(result),
-                      keep_hidden_states=o.keep_hidden_states)  # fmt: skip
-    if result.rotation is None:
-        extra_files = prove_centered(result.centering, reference, loaded.model, embeds, checked)
-    else:
-        matrices = {name: m.values for name, m in result.rotation.matrices.items()}
-        extra_files = prove_rotated(result.rotation.inputs, reference, loaded.model, embeds, matrices,
-                                           checked)  # fmt: skip
-    result.check = checked.to_dict()
-    report_dict = io.report_dict(result, loaded.info)
-    report_dict["check_input"] = check_input
-    if inputs:
-        report_dict["carried"] = inputs.to_dict()
-    note_check_text(report_dict, o.tokenizer)
-    passed = bool(checked.passed)
-    saved = passed or o.force
-    stages.stop()
-    if saved:
-        del traced, reference
-        rotation = result.rotation
-        extra = {} if rotation is None else {ROTATION_FILE: rotation.saved_tensors()}
-        try:  # written and verified beside OUT; OUT is replaced only then (io.staging)
-            verified = io.save_and_verify(
-                loaded, report_dict, output, input_ids, overwrite=o.overwrite, force=o.force, inputs=inputs,
-                input_path=model, trust_remote_code=o.trust_remote_code, stages=stages, extra_tensors=extra,
-                extra_files=extra_files,
-                check_extra=None if rotation is None else lambda folder: check_saved(folder, rotation),
-            )  # fmt: skip
-        except NormswapError:
-            if report is not None:  # the report still tells what was converted, where it can be written
-                report_dict["saved"] = False
-                report_dict["timings"] = dict(stages.timings)
-                with contextlib.suppress(NormswapError):
-                    io.write_json(report_file, report_dict)
-            raise
-        saved = verified.passed or o.force
-        if inputs:  # what was copied is known only after the save
-            report_dict["carried"] = inputs.to_dict()
-        else:
-            report_dict.pop("carried", None)
-    stages.stop()
-    report_dict["timings"] = dict(stages.timings)
-    report_dict["saved"] = saved
-    verify_failed = not report_dict.get("verify", {}).get("passed", True)
-    return _result(report_dict, passed, verify_failed, saved, output, report, report_file, o)
-
-
-def _convert_streamed(model: str, output: Path, options: ConvertOptions, stages) -> tuple | None:
+def _streamed(model: str, output: Path, options: ConvertOptions):
     """None when the model is converted in memory (``normswap.memory.decide``: ``no_stream``, weights
-    within ``max_memory``, or an estimated peak that fits the memory available), else the streamed
-    conversion (``normswap.stream``, on ``device``) as ``(report, passed)`` (report None on a distributed
-    rank other than the main one), with the same outputs, messages and exit codes as in memory (a rotation
-    too: the same tensors, matrices and records)."""
-    from normswap.stream import convert as stream
+    within ``max_memory``, or an estimated peak that fits the memory available), else the store that streams
+    it (``normswap.stream.store.ShardStore``, on ``device``), with the same outputs, messages and exit codes
+    as in memory (a rotation too: the same tensors, matrices and records)."""
     from normswap.stream import dist
+    from normswap.stream.store import ShardStore
 
     o = options
     target = resolve_device(o.device)  # an unknown device is refused before anything is read
@@ -269,18 +354,7 @@ def _convert_streamed(model: str, output: Path, options: ConvertOptions, stages)
         f"streaming: budget {budget}, {progress.size(source.nbytes)} of weights in "
         f"{len(source.reader.files)} shard(s), on {target}"
     )
-    input_ids, check_input = check_ids(model, source.config, source.check_tokenizer, o.tokens)
-    with rotation_refused():
-        report_dict, passed = stream.convert_streamed(
-            source, output, input_ids, untie=o.untie, force=o.force, overwrite=o.overwrite, stages=stages,
-            keep_hidden_states=o.keep_hidden_states, norm=o.norm, device=target, choice=choice,
-            rotate=o.rotate, rotate_seed=o.rotate_seed, rotate_heads=o.rotate_heads, check_input=check_input,
-        )  # fmt: skip
-    report_dict["check_input"] = check_input
-    note_check_text(report_dict, o.tokenizer)
-    if not dist.is_main():
-        return None, passed
-    return report_dict, passed
+    return ShardStore(source, output, target, overwrite=o.overwrite, choice=choice)
 
 
 EVAL_CHARS = 8 * 2048  # what `normswap eval` reads of pydoc topics by default (8 x its --max-tokens)

@@ -518,23 +518,23 @@ STREAMED = ("--max-memory", "64KB")
 def _no_collect(monkeypatch):
     """The streamed path collects garbage after every tensor (``release_memory``): 0.7 s each in a test
     process holding every earlier test's objects. It frees memory and changes no byte; skipped here."""
-    import normswap.stream.convert as stream_convert
     import normswap.stream.store as stream_store
+    import normswap.stream.write as stream_write
 
-    monkeypatch.setattr(stream_convert, "release_memory", lambda: None)
     monkeypatch.setattr(stream_store, "release_memory", lambda: None)
+    monkeypatch.setattr(stream_write, "release_memory", lambda: None)
 
 
 @pytest.fixture(scope="module")
 def previous(small_other, tmp_path_factory) -> dict[tuple, Path]:
     """A complete earlier output of normswap of ``small_other``, in memory and streamed (copied per test)."""
-    import normswap.stream.convert as stream_convert
     import normswap.stream.store as stream_store
+    import normswap.stream.write as stream_write
 
     folders = {}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(stream_convert, "release_memory", lambda: None)  # as _no_collect
-        patch.setattr(stream_store, "release_memory", lambda: None)
+        patch.setattr(stream_store, "release_memory", lambda: None)  # as _no_collect
+        patch.setattr(stream_write, "release_memory", lambda: None)
         for streamed in ((), STREAMED):
             out = tmp_path_factory.mktemp("previous") / "out"
             result = run("convert", small_other, "--output", out, *FEW, *streamed)
@@ -608,11 +608,11 @@ def test_c27_failed_verification_keeps_the_previous_output(small, previous, tmp_
     deleted. Now the new output is verified beside OUT and replaces it only when it passed: exit 1, OUT
     byte-identical to the previous checkpoint, the report says why."""
     import normswap.io.verify as io_verify
-    import normswap.stream.convert as stream_convert
+    import normswap.stream.verify as stream_verify
 
     out, report = tmp_path / "out", tmp_path / "r.json"
     before = previous_output(previous, out, streamed)
-    target, name = (stream_convert, "verify_streamed") if streamed else (io_verify, "verify_saved")
+    target, name = (stream_verify, "verify_streamed") if streamed else (io_verify, "verify_saved")
     real = getattr(target, name)
 
     def failing(*args, **kwargs):

@@ -23,8 +23,9 @@ from test_stream import TOKENS, assert_same_checkpoint, assert_verified, run, sa
 
 import normswap.pipeline
 from normswap.io.shards import CheckpointReader
-from normswap.stream import convert as stream_convert
 from normswap.stream import dist
+from normswap.stream import store as stream_store
+from normswap.stream.store import ShardStore
 
 BUDGET = 64_000  # "64KB" in accelerate's syntax
 
@@ -47,14 +48,20 @@ def test_gpu_streaming_dry_run(model_type, norm, extra, tokenizer, tmp_path, mon
     fake_gpu = torch.device("cpu")  # the device object --device cuda resolves to
     asked = []
     monkeypatch.setattr(normswap.pipeline, "resolve_device", lambda spec: asked.append(spec) or fake_gpu)
-    real_convert = stream_convert.convert_streamed
+    real_open, real_convert = ShardStore.__init__, normswap.pipeline._convert
 
-    def guarded(*args, **kwargs):
-        assert kwargs["device"] is fake_gpu
+    def opening(store, source, output, device, **kwargs):
+        assert device is fake_gpu
         with torch.device("meta"):  # anything made without a device fails at its first use
-            return real_convert(*args, **kwargs)
+            real_open(store, source, output, device, **kwargs)
 
-    monkeypatch.setattr(stream_convert, "convert_streamed", guarded)
+    def converting(store, *args, **kwargs):
+        assert isinstance(store, ShardStore)
+        with torch.device("meta"):
+            return real_convert(store, *args, **kwargs)
+
+    monkeypatch.setattr(ShardStore, "__init__", opening)
+    monkeypatch.setattr(normswap.pipeline, "_convert", converting)
     out = tmp_path / "gpu"
     r = run("convert", src, "-o", out, "--tokens", TOKENS, "--norm", norm, "--device", "cuda",
             "--max-memory", "64KB", *extra)  # fmt: skip
@@ -86,8 +93,8 @@ def test_device_helpers(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (7 * 2**30, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 12345)
     assert memory.available_memory("cuda:0") == 7 * 2**30
-    assert stream_convert.device_peak("cuda:0") == {"peak_device_bytes": 12345}
-    assert stream_convert.device_peak("cpu") == {}
+    assert stream_store.device_peak("cuda:0") == {"peak_device_bytes": 12345}
+    assert stream_store.device_peak("cpu") == {}
     assert dist.device(torch.device("cuda", 0)) == torch.device("cuda", 0)  # one process
     monkeypatch.setattr(dist, "world_size", lambda: 4)
     monkeypatch.setenv("LOCAL_RANK", "3")
