@@ -178,7 +178,7 @@ def _in_child(source: str, cases: list[str]) -> dict:
     return results
 
 
-def run_all(folder: Path, out: Path, only: list[str], real: bool, zoo: bool) -> None:
+def run_all(folder: Path, out: Path, only: list[str], real: bool, zoo: bool, cases: list[str]) -> None:
     results = json.loads(out.read_text()) if out.exists() else {}
     jobs = []
     if zoo:
@@ -192,6 +192,7 @@ def run_all(folder: Path, out: Path, only: list[str], real: bool, zoo: bool) -> 
             source = str(folder / name) if name.startswith("@") else name
             jobs += [(f"{name}/{case}", source, CASES[case]) for case in cases]
     jobs = [j for j in jobs if not only or any(j[0].startswith(o) for o in only)]
+    jobs = [j for j in jobs if not cases or j[0].rpartition("/")[2] in cases]
     rows: dict[str, list[str]] = {}
     for key, source, _ in jobs:
         if key not in results:
@@ -263,6 +264,7 @@ def main() -> int:
     p.add_argument("--only", nargs="*", default=[], help="case keys starting with these")
     p.add_argument("--real", action="store_true", help="also the short-name models (slow)")
     p.add_argument("--no-zoo", action="store_true")
+    p.add_argument("--cases", nargs="*", default=[], choices=list(CASES), help="only these cases")
     p = sub.add_parser("row", help="one input with several cases, in this process (run uses it)")
     p.add_argument("source")
     p.add_argument("out", type=Path)
@@ -275,7 +277,7 @@ def main() -> int:
         write_inputs(args.folder)
         return 0
     if args.command == "run":
-        run_all(args.folder, args.out, args.only, args.real, not args.no_zoo)
+        run_all(args.folder, args.out, args.only, args.real, not args.no_zoo, args.cases)
         return 0
     if args.command == "row":
         run_row(args.source, args.cases, args.out)

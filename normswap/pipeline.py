@@ -172,12 +172,6 @@ class MemoryStore(Store):
         return io.load_model(self.name, dtype=o.dtype, trust_remote_code=o.trust_remote_code, tokenizer=False,
                              device=o.device, device_map=o.device_map).model  # fmt: skip
 
-    def trace_inputs(self, input_ids) -> dict:
-        """``convert``'s trace inputs: the check's ids, or the random signal of a model that reads one."""
-        return (
-            {"input_ids": input_ids} if isinstance(input_ids, torch.Tensor) else {"example_inputs": input_ids}
-        )
-
     def converting(self) -> str:
         """What the convert stage's line says."""
         return "folding and swapping the norms"
@@ -257,11 +251,15 @@ def _convert(store, output: Path, options: ConvertOptions, stages, report, repor
         s = learning["rotate_learn"]
         rotating += f": learning Q for {s.target}, {s.steps} steps of {s.batch} x {s.length} tokens"
     stages.start("convert", store.converting() + rotating)
+    # the plans record the dataflow on the walk's inputs (the check's first ids, or the random signal)
+    traced_with = (
+        {"input_ids": walk_ids} if isinstance(walk_ids, torch.Tensor) else {"example_inputs": walk_ids}
+    )
     with rotation_refused():
         result = convert_model(store.model, norm=o.norm, untie=o.untie, swap=False, traced=traced,
                                rotate=o.rotate, rotate_seed=o.rotate_seed, rotate_heads=o.rotate_heads,
                                keep_hidden_states=o.keep_hidden_states, store=store,
-                               **store.trace_inputs(input_ids), **learning)  # fmt: skip
+                               **traced_with, **learning)  # fmt: skip
     traced = None  # the walk's records are not needed from here on
     data, passed = {}, True
     with store.writing():

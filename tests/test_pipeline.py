@@ -148,3 +148,54 @@ def test_a_failed_check_is_a_result_and_saves_nothing(saved, tmp_path, monkeypat
     assert "forced failure for the test" in result.summary and "saved:" not in result.summary
     assert not (tmp_path / "out").exists()
     assert json.loads((tmp_path / "r.json").read_text())["saved"] is False
+
+
+STORES = {  # name -> (model, options): each option's path
+    "plain": ("llama", {}),
+    "rmsnorm": ("gpt2", {"norm": "rmsnorm"}),
+    "rotate-heads": ("llama", {"rotate": "hadamard", "rotate_heads": True}),
+    "keep-hidden": ("llama", {"keep_hidden_states": True}),
+}
+RECORDS = ("norm", "norms_found", "norms_folded", "norms_swapped", "sites", "untied", "centering", "rotation")
+
+
+@pytest.mark.parametrize("case", list(STORES))
+def test_one_pipeline_over_both_stores(case, saved, tmp_path, monkeypatch):
+    """Each option runs the same steps (``pipeline._convert``) over the model in memory and over its shards
+    (streamed: ``max_memory`` below the weights); both write the same tensors, bit for bit, with the same
+    records and summary lines, and a fresh load of either computes the original's logits within 1e-5."""
+    name, options = STORES[case]
+    src, original = saved[name]
+    stores, real = [], pipeline._convert
+
+    def spy(store, *args, **kwargs):
+        stores.append(type(store).__name__)
+        return real(store, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_convert", spy)
+    memory = normswap.convert_pretrained(src, tmp_path / "memory", **FEW, **options)
+    streamed = normswap.convert_pretrained(src, tmp_path / "streamed", max_memory="4KB", **FEW, **options)
+    assert stores == ["MemoryStore", "ShardStore"]
+    assert memory.passed and streamed.passed
+    a, b = _tensors(memory.output), _tensors(streamed.output)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+    for key in RECORDS:
+        assert memory.report.get(key) == streamed.report.get(key), key
+    assert "streamed" in streamed.report and "streamed" not in memory.report
+    # the same lines but what a streamed run says of its memory and of its own fresh load
+    lines = [_lines(r.summary, r.output) for r in (memory, streamed)]
+    own = ("memory:", "verified:")
+    assert [line for line in lines[0] if not line.startswith(own)] == [
+        line for line in lines[1] if not line.startswith(own)
+    ]
+    assert all(any(line.startswith("verified: fresh load as ") for line in r) for r in lines)
+
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = original(ids).logits
+        for result in (memory, streamed):
+            loaded = AutoModelForCausalLM.from_pretrained(result.output, dtype=torch.float32).eval()
+            assert (loaded(ids).logits - want).abs().max().item() <= 1e-5

@@ -122,12 +122,6 @@ class ShardStore(Store):
         return build(source.config, source.reader, source.dtype, self.device,
                      trust_remote_code=source.trust_remote_code).model  # fmt: skip
 
-    def trace_inputs(self, input_ids: torch.Tensor) -> dict:
-        """``convert``'s trace inputs: the walk's ids (the plans follow the dataflow, not the length)."""
-        from normswap.walk import short_inputs
-
-        return {"input_ids": short_inputs(input_ids)}
-
     def converting(self) -> str:
         """What the convert stage's line says."""
         return f"folding the norms into {len(self.source.reader.files)} shard(s) as they are written"
