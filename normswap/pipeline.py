@@ -268,8 +268,9 @@ def _convert(store, output: Path, options: ConvertOptions, stages, report, repor
             if result.rotation is not None:  # the original's stream records, as the rotated model has them
                 rotate_reference(reference, result.rotation)
             stages.start("check", "comparing the converted model's outputs with the original's" + store.label)
+            # the sites as converted (folded, swapped, and why not) describe a divergence
             checked = store.run(lambda: compare(reference, converted, input_ids, records=store.records,
-                                                transform=stream_transform(result),
+                                                sites=result.sites, transform=stream_transform(result),
                                                 keep_hidden_states=o.keep_hidden_states))  # fmt: skip
             if result.rotation is None:
                 extra_files = store.run(lambda: prove_centered(result.centering, reference, converted, embeds,
