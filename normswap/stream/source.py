@@ -172,6 +172,7 @@ def open_source(
     info = ModelInfo(
         source=resolved.source, kind=kind, path=resolved.path, gguf_file=None, short_name=None,
         architecture=architecture, causal_lm=True, dtype=str(torch_type).removeprefix("torch."),
+        auto_class="AutoModelForCausalLM",  # the class _causal_lm_name found it in: a causal LM only streams
     )  # fmt: skip
     return Source(reader, config, own, info, torch_type, trust_remote_code, check)
 
