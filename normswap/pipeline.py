@@ -163,8 +163,8 @@ class MemoryStore(Store):
 
     @property
     def manifest(self):
-        """The input's ``normswap.json`` (a dict), or None."""
-        return io.input_manifest(self.info.path) if self.info.kind == "dir" else None
+        """The input's ``normswap.json`` (a dict), or None (``normswap.io.model_manifest``)."""
+        return io.model_manifest(self.info)
 
     def original(self):
         """The original model loaded again (the check's float64 rule runs it)."""

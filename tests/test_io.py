@@ -757,3 +757,37 @@ def test_overwrite_without_atomic_exchange(tmp_path, monkeypatch):
     save_converted(model, None, _report(run=2), out, overwrite=True)
     assert json.loads((out / "normswap.json").read_text())["run"] == 2
     assert os.listdir(tmp_path) == ["out"]
+
+
+def test_model_manifest_of_a_directory_a_hub_repository_and_a_gguf_file(tmp_path, monkeypatch):
+    """What normswap wrote about its input is read wherever the input is: the directory's ``normswap.json``,
+    the hub repository's (fetched as the model's other files are), none for a GGUF file or a repository
+    without one (or a hub that cannot be reached)."""
+    import huggingface_hub
+
+    from normswap.io import ModelInfo, model_manifest
+
+    def info(kind: str, path: str) -> ModelInfo:
+        return ModelInfo(source=path, kind=kind, path=path, gguf_file=None, short_name=None,
+                         architecture="LlamaForCausalLM", causal_lm=True, dtype="float32")  # fmt: skip
+
+    written = {"normswap_version": "0.1", "rotation": {"file": "normswap/rotation.safetensors"}}
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / "normswap.json").write_text(json.dumps(written))
+    assert model_manifest(info("dir", str(folder))) == written
+    assert model_manifest(info("dir", str(tmp_path))) is None
+    assert model_manifest(info("gguf", str(folder))) is None  # the folder of a GGUF file: not its record
+
+    asked = []
+
+    def download(repo_id, filename, **_):
+        asked.append((repo_id, filename))
+        if repo_id != "owner/converted":
+            raise huggingface_hub.errors.EntryNotFoundError(f"{filename} not in {repo_id}")
+        return str(folder / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert model_manifest(info("hub", "owner/converted")) == written
+    assert model_manifest(info("hub", "owner/plain")) is None
+    assert asked == [("owner/converted", "normswap.json"), ("owner/plain", "normswap.json")]

@@ -177,7 +177,10 @@ def _uses(site: dict) -> set[tuple]:
     return {(c["module"], c["param"], c["axis"], c["bias"]) for c in site["consumer_ops"]}
 
 
-@pytest.mark.parametrize("case", list(STORES))
+@pytest.mark.parametrize(
+    "case",  # plain: tests/test_stream.py compares such tensors in the default run
+    [pytest.param(c, marks=pytest.mark.slow) if c == "plain" else c for c in STORES],
+)
 def test_one_pipeline_over_both_stores(case, saved, tmp_path, monkeypatch):
     """Each option runs the same steps (``pipeline._convert``) over the model in memory and over its shards
     (streamed: ``max_memory`` below the weights); both write the same tensors, bit for bit, with the same

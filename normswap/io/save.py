@@ -494,6 +494,24 @@ def input_manifest(path: str | os.PathLike | None) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def model_manifest(info: ModelInfo) -> dict[str, Any] | None:
+    """The ``normswap.json`` of the model ``info`` describes (normswap wrote it), or ``None``: read from a
+    model directory, or fetched from a hub repository (``huggingface_hub.hf_hub_download``, into its cache);
+    ``None`` for a GGUF file, a repository without one, or a hub that cannot be reached (the conversion then
+    goes on as for a model normswap did not write)."""
+    if info.kind == "dir":
+        return input_manifest(info.path)
+    if info.kind != "hub":
+        return None
+    from huggingface_hub import hf_hub_download
+
+    try:
+        path = hf_hub_download(info.path, MANIFEST)
+    except Exception:  # noqa: BLE001 - no such file (most repositories), offline, gated: no manifest
+        return None
+    return input_manifest(Path(path).parent)
+
+
 def load_pretrained(
     path: str | os.PathLike,
     *,
