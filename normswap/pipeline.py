@@ -262,42 +262,24 @@ def _convert(store, output: Path, options: ConvertOptions, stages, report, repor
                                **traced_with, **learning)  # fmt: skip
     traced = None  # the walk's records are not needed from here on
     data, passed = {}, True
-    with store.writing():
-        converted = store.write(result)
-        if store.main:
-            if result.rotation is not None:  # the original's stream records, as the rotated model has them
-                rotate_reference(reference, result.rotation)
-            stages.start("check", "comparing the converted model's outputs with the original's" + store.label)
-            # the sites as converted (folded, swapped, and why not) describe a divergence
-            checked = store.run(lambda: compare(reference, converted, input_ids, records=store.records,
-                                                sites=result.sites, transform=stream_transform(result),
-                                                keep_hidden_states=o.keep_hidden_states))  # fmt: skip
-            if result.rotation is None:
-                extra_files = store.run(lambda: prove_centered(result.centering, reference, converted, embeds,
-                                                               checked))  # fmt: skip
-            else:
-                matrices = {name: m.values for name, m in result.rotation.matrices.items()}
-                extra_files = store.run(lambda: prove_rotated(result.rotation.inputs, reference, converted,
-                                                              embeds, matrices, checked))  # fmt: skip
-            reference = embeds = converted = None
-            result.check = checked.to_dict()
-            data = io.report_dict(result, store.info)
-            data["check_input"] = check_input
-            if inputs:
-                data["carried"] = inputs.to_dict()
-            note_check_text(data, o.tokenizer)
-            passed = bool(checked.passed)
-            try:
+    try:
+        with store.writing():
+            converted = store.write(result)
+            if store.main:
+                data, passed, extra_files = _check(store, result, reference, embeds, converted, input_ids,
+                                                   check_input, inputs, o, stages)  # fmt: skip
+                reference = embeds = converted = None
                 store.save(data, passed, input_ids=input_ids, extra_files=extra_files,
                            rotation=result.rotation, force=o.force, stages=stages)  # fmt: skip
-            except NormswapError:  # the report still tells what was converted, where it can be written
-                if report_file is not None:
-                    data["saved"] = False
-                    data["timings"] = dict(stages.timings)
-                    with contextlib.suppress(NormswapError):
-                        io.write_json(report_file, data)
-                raise
-        passed = store.agree(passed)
+            passed = store.agree(passed)
+    except NormswapError:  # a write refused or failed: the report still tells what was converted
+        if report_file is not None and store.main:
+            data = data or io.report_dict(result, store.info)
+            data["saved"] = False
+            data["timings"] = dict(stages.timings)
+            with contextlib.suppress(NormswapError):
+                io.write_json(report_file, data)
+        raise
     if not store.main:  # a distributed rank other than the main one
         return ConvertResult({}, passed, passed, output, "", None if passed else "check FAILED", main=False)
     data["timings"] = dict(stages.timings)
@@ -305,6 +287,33 @@ def _convert(store, output: Path, options: ConvertOptions, stages, report, repor
     saved = (passed and not verify_failed) or o.force
     data["saved"] = saved
     return _result(data, passed, verify_failed, saved, output, report, report_file, o)
+
+
+def _check(store, result, reference, embeds, converted, input_ids, check_input, inputs, o, stages):
+    """The converted model against the reference (``normswap.check.compare``), the ``inputs_embeds`` map
+    proved (centered or rotated), and the report; ``(report dict, passed, the proved maps' files)``."""
+    if result.rotation is not None:  # the original's stream records, as the rotated model has them
+        rotate_reference(reference, result.rotation)
+    stages.start("check", "comparing the converted model's outputs with the original's" + store.label)
+    # the sites as converted (folded, swapped, and why not) describe a divergence
+    checked = store.run(lambda: compare(reference, converted, input_ids, records=store.records,
+                                        sites=result.sites, transform=stream_transform(result),
+                                        keep_hidden_states=o.keep_hidden_states))  # fmt: skip
+    if result.rotation is None:
+        extra_files = store.run(
+            lambda: prove_centered(result.centering, reference, converted, embeds, checked)
+        )
+    else:
+        matrices = {name: m.values for name, m in result.rotation.matrices.items()}
+        extra_files = store.run(lambda: prove_rotated(result.rotation.inputs, reference, converted, embeds,
+                                                      matrices, checked))  # fmt: skip
+    result.check = checked.to_dict()
+    data = io.report_dict(result, store.info)
+    data["check_input"] = check_input
+    if inputs:
+        data["carried"] = inputs.to_dict()
+    note_check_text(data, o.tokenizer)
+    return data, bool(checked.passed), extra_files
 
 
 def _result(report_dict, passed, verify_failed, saved, output, report, report_file, options) -> ConvertResult:

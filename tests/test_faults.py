@@ -281,19 +281,45 @@ def small_disk(tmp_path):
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     yield mount
-    subprocess.run(["umount", str(mount)], check=False)
+    if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:  # a file still open there
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_full_disk_is_one_line_and_leaves_nothing(src, small_disk, tmp_path):
+@pytest.mark.parametrize("streamed", [(), ("--max-memory", "64KB")], ids=["memory", "streamed"])
+def test_full_disk_is_one_line_and_leaves_nothing(src, small_disk, tmp_path, streamed):
     """C21: a 31-line traceback ending in SafetensorError with exit 1; now exit 2, one line, the small
-    filesystem empty, the report written elsewhere."""
+    filesystem empty, the report written elsewhere. Streamed, the check's localization records (a temporary
+    file beside OUT) are written first: their full disk is the same one line (it was a traceback)."""
     before = digests(src)
     out, report = small_disk / "out", tmp_path / "r.json"
-    result = run("convert", src, "--output", out, "--report", report)
+    result = run("convert", src, "--output", out, "--report", report, *streamed)
     assert_one_line(result, 2, f"cannot write {out}: no space left on device")
     assert os.listdir(small_disk) == []
-    assert strict_json(report)["check"]["passed"] is True and strict_json(report)["saved"] is False
+    if not streamed:  # streamed, the check's records beside OUT fill the disk first: nothing is converted
+        assert strict_json(report)["check"]["passed"] is True and strict_json(report)["saved"] is False
     assert digests(src) == before
+
+
+def test_streamed_write_failure_is_one_line_and_the_report_says_what_was_converted(
+    src, tmp_path, monkeypatch
+):
+    """C21, streamed: the shards are written before the check; a full disk there is one line (exit 2),
+    nothing is left beside OUT, and ``--report`` still says what was converted (no check, not saved)."""
+    import errno
+
+    import normswap.stream.write as stream_write
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(stream_write, "write_shards", full)
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    result = run("convert", src, "--output", out, "--report", report, "--max-memory", "64KB")
+    assert_one_line(result, 2, f"cannot write {out}: no space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "src"]
+    data = strict_json(report)
+    assert data["saved"] is False and data["check"] is None
+    assert data["norms_folded"] == data["norms_found"] > 0 and data["model"] == str(src)
 
 
 def test_any_writer_exception_is_one_line(tmp_path):

@@ -604,6 +604,30 @@ def test_disk_records_round_trip(tensor):
     records.close()
 
 
+def test_disk_records_on_a_full_disk_are_one_line_and_give_the_space_back(tmp_path):
+    """A record the disk refuses: ``normswap.files.write_error``'s line naming the output they are for, and
+    the temporary file closed at once (not when the error is collected: a full disk gets its space back)."""
+    import errno
+    import os
+
+    records = DiskRecords(tmp_path, owner=tmp_path / "out")
+    records["a"] = torch.ones(2)
+    file = records._file
+
+    class Full:  # the file as a full disk answers a write
+        def __getattr__(self, name):
+            return getattr(file, name)
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    records._file = Full()
+    with pytest.raises(NormswapError) as raised:
+        records["b"] = torch.ones(3)
+    assert str(raised.value) == f"cannot write {tmp_path / 'out'}: no space left on device"
+    assert file.closed
+
+
 def test_shard_writer_reads_back_with_safetensors(tmp_path):
     tensors_in = {
         "a": torch.randn(3, 5),

@@ -15,6 +15,8 @@ from collections.abc import Iterator, MutableMapping
 
 import torch
 
+from normswap.files import write_error
+
 
 class DiskRecords(MutableMapping):
     """A ``str -> torch.Tensor`` mapping (insertion order) whose tensors live in a temporary file.
@@ -23,22 +25,35 @@ class DiskRecords(MutableMapping):
         folder: where the file is made (``None``: the system's temporary directory). The file has no name
             (``tempfile.TemporaryFile``): it is gone when the mapping is closed, collected, or the process
             ends, whatever way it ends.
+        owner: what the records are written for (the output folder), named when they cannot be written.
 
     ``m[key] = t`` writes ``t``'s bytes (any dtype, shape and device; a CPU copy is written); ``m[key]``
     returns a new CPU tensor equal to ``t``. Setting a key again appends its new bytes (the old ones stay
-    in the file). Raises ``OSError`` when the file cannot be written.
+    in the file).
+
+    Raises:
+        NormswapError: the file cannot be made or written (a full disk: ``normswap.files.write_error``'s
+            line, naming ``owner``, or ``folder``).
     """
 
-    def __init__(self, folder: str | os.PathLike | None = None):
-        self._file = tempfile.TemporaryFile(dir=folder)
+    def __init__(self, folder: str | os.PathLike | None = None, owner: str | os.PathLike | None = None):
+        self._owner = owner if owner is not None else (folder or tempfile.gettempdir())
+        try:
+            self._file = tempfile.TemporaryFile(dir=folder)
+        except OSError as error:
+            raise write_error(self._owner, error) from error
         self._where: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
         self._end = 0
 
     def __setitem__(self, key: str, tensor: torch.Tensor) -> None:
         data = tensor.detach().to("cpu").contiguous()
         raw = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
-        self._file.seek(self._end)
-        self._file.write(memoryview(raw))
+        try:
+            self._file.seek(self._end)
+            self._file.write(memoryview(raw))
+        except OSError as error:  # a full disk: one line, not a traceback from inside the check
+            self._file.close()  # its space is given back now, not when the error is collected
+            raise write_error(self._owner, error) from error
         self._where[key] = (self._end, data.dtype, tuple(data.shape))
         self._end += data.numel() * data.element_size()
 

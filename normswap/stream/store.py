@@ -113,7 +113,7 @@ class ShardStore(Store):
         """A mapping for the check's localization records (a few positions at every probe point: O(layers)),
         in a temporary file beside the output."""
         parent = self.out.parent
-        return DiskRecords(parent if parent.is_dir() and os.access(parent, os.W_OK) else None)
+        return DiskRecords(parent if parent.is_dir() and os.access(parent, os.W_OK) else None, owner=self.out)
 
     def original(self) -> torch.nn.Module:
         """The original model again, streamed over the input's shards (which the conversion never changes):
