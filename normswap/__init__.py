@@ -15,6 +15,7 @@ The names are imported on first use (PEP 562), so ``import normswap`` (and the C
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 
@@ -46,6 +47,8 @@ def __getattr__(name: str):
         if not isinstance(value, types.ModuleType):
             globals()[name] = value
         return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")  # a subpackage on first use: normswap.io
     raise AttributeError(f"module 'normswap' has no attribute {name!r}")
 
 

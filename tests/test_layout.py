@@ -90,3 +90,28 @@ def test_no_import_cycle_between_units():
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_package_reaches_its_subpackages_on_first_use():
+    """``import normswap`` imports no torch; ``normswap.io.load_model`` then works without ``import
+    normswap.io`` (as docs/API.md's names are reached), while ``normswap.check`` and ``normswap.convert``
+    stay the functions, and an unknown name is an ``AttributeError``."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+import normswap
+assert "torch" not in sys.modules
+from normswap.io import load_model
+assert normswap.io.load_model is load_model
+assert callable(normswap.check) and callable(normswap.convert) and callable(normswap.convert_pretrained)
+try:
+    normswap.no_such_name
+except AttributeError as error:
+    assert "no_such_name" in str(error)
+else:
+    raise AssertionError("an unknown name resolved")
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=PACKAGE.parent, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
