@@ -178,7 +178,7 @@ def _in_child(source: str, cases: list[str]) -> dict:
     return results
 
 
-def run_all(folder: Path, out: Path, only: list[str], real: bool, zoo: bool, cases: list[str]) -> None:
+def run_all(folder: Path, out: Path, only: list[str], real: bool, zoo: bool, kinds: list[str]) -> None:
     results = json.loads(out.read_text()) if out.exists() else {}
     jobs = []
     if zoo:
@@ -192,7 +192,7 @@ def run_all(folder: Path, out: Path, only: list[str], real: bool, zoo: bool, cas
             source = str(folder / name) if name.startswith("@") else name
             jobs += [(f"{name}/{case}", source, CASES[case]) for case in cases]
     jobs = [j for j in jobs if not only or any(j[0].startswith(o) for o in only)]
-    jobs = [j for j in jobs if not cases or j[0].rpartition("/")[2] in cases]
+    jobs = [j for j in jobs if not kinds or j[0].rpartition("/")[2] in kinds]
     rows: dict[str, list[str]] = {}
     for key, source, _ in jobs:
         if key not in results:
