@@ -7,6 +7,7 @@ in-memory path checks it on ids drawn from the vocabulary.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 from conftest import make_tiny_model
@@ -43,7 +44,11 @@ def test_directory_without_tokenizer_streams_on_vocabulary_ids(tokenizer, tmp_pa
     assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in got)
 
 
-def test_tokenizer_option_is_used_when_streaming(tokenizer, tmp_path):  # noqa: F811
+def test_tokenizer_option_is_used_when_streaming(tokenizer, tmp_path, monkeypatch):  # noqa: F811
+    """--tokenizer tokenizes the check's text when streaming; a perplexity that says the text means little to
+    the model gets its note in the saved normswap.json too (it was added after the manifest was written)."""
+    from normswap import pipeline
+
     src = _src(tokenizer, tmp_path)
     tok = tmp_path / "tok"
     tok.mkdir()
@@ -51,9 +56,19 @@ def test_tokenizer_option_is_used_when_streaming(tokenizer, tmp_path):  # noqa: 
         shutil.move(src / file, tok / file)
     r = run("convert", src, "-o", tmp_path / "out", "--max-memory", "4KB", "--tokenizer", tmp_path / "none")
     _one_error_line(r, "no such directory")
+    real_compare = pipeline.compare
+
+    def implausible(*args, **kwargs):  # what another model's tokenizer does to a trained model's perplexity
+        result = real_compare(*args, **kwargs)
+        result.ppl_original = 5.1e7
+        return result
+
+    monkeypatch.setattr(pipeline, "compare", implausible)
     r = run(
         "convert", src, "-o", tmp_path / "out", "--tokens", TOKENS, "--max-memory", "4KB", "--tokenizer", tok
     )
     assert r.exit_code == 0, r.output
     assert not (tmp_path / "out" / "tokenizer.json").exists()  # checked with, not saved: src has none
     assert "input:    ids drawn" not in r.stdout
+    manifest = json.loads((tmp_path / "out" / "normswap.json").read_text())
+    assert f"--tokenizer {tok} is not its tokenizer" in manifest["check_input"]["note"]
