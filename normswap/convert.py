@@ -107,11 +107,11 @@ class Store:
     def note(self, step: str) -> None:
         """A step begins: a store whose steps take long may say so (``normswap.progress.note``)."""
 
-    def center(self, model: nn.Module, walk: Walk, inputs, *, untie: bool, add_biases: bool):
+    def center(self, model: nn.Module, walk: Walk, inputs, *, untie: bool, add_biases: bool, recorded=None):
         """``normswap.center.center`` in place; its ``CenterResult``."""
         from normswap.center import center
 
-        return center(model, walk, inputs, untie=untie, add_biases=add_biases)
+        return center(model, walk, inputs, untie=untie, add_biases=add_biases, recorded=recorded)
 
     def fold_and_rotate(self, model: nn.Module, plan, sites, folding, kind: str, seed: int, matrices=None):
         """``normswap.rotate.fold_and_rotate`` in place; its ``Rotation``."""
@@ -532,25 +532,33 @@ def convert(
             lambda: plan_rotation(model, result, inputs, untie=untie, heads=rotate_heads, read=store.read)
         )
         store.settle()
+    # the rotation plan's recording forward serves centering too (on a streamed model, one pass over the
+    # weights on disk fewer); not across the learned rotation, whose memory goes to the copy it trains
+    recorded = None
+    if rotation_plan is not None:
+        recorded, rotation_plan.recorded = rotation_plan.recorded, None
     learned = None
     if rotate == "learned":  # from a copy of the model as it is now: nothing changed yet
+        recorded = None
         learned = _learn(model, untie, rotate_seed, rotate_heads, rotate_learn, rotate_calibration,
                          rotate_progress, input_ids=input_ids, example_inputs=example_inputs)  # fmt: skip
     centering = not_centered = None
     if norm == "rmsnorm":
         store.note("centering the LayerNorms' inputs")
-        centering = store.run(lambda: store.center(model, result, inputs, untie=untie, add_biases=fold))
-        store.settle()
+        centering = store.run(lambda: store.center(model, result, inputs, untie=untie, add_biases=fold,
+                                                   recorded=recorded))  # fmt: skip
     elif rotation_plan is not None and rotation_plan.keep_ones:  # LayerNorms read the stream: center first
         from normswap.center import CenteringError
 
         store.note("centering the LayerNorms' inputs before the rotation")
         try:
-            centering = store.run(lambda: store.center(model, result, inputs, untie=untie, add_biases=fold))
+            centering = store.run(lambda: store.center(model, result, inputs, untie=untie, add_biases=fold,
+                                                       recorded=recorded))  # fmt: skip
             norm = "rmsnorm"
         except CenteringError as error:  # left unchanged: rotated uncentered, Q 1 = 1 keeps LayerNorm exact
             not_centered = getattr(error, "what", None) or str(error)
-        store.settle()
+    recorded = None
+    store.settle()
     report = ConvertReport(
         model=_model_name(model), norm=norm, norms_found=len(result.sites), norms_folded=0, norms_swapped=0,
         sites=result.sites, untouched=result.untouched, probe_failures=dict(result.probe_failures),

@@ -91,6 +91,39 @@ def test_exact_in_float64(name):
     assert (model_outputs(reference, ids) - model_outputs(model, ids)).abs().max().item() <= 1e-12
 
 
+@pytest.mark.parametrize("name", ["gpt2", "opt"])
+def test_centering_uses_the_rotation_plans_recording(name, monkeypatch):
+    """A LayerNorm model is centered before it is rotated; centering plans on the forward the rotation plan
+    recorded (one recording, not two: on a streamed model, one pass over the weights on disk fewer). The
+    weights are bit-identical to those of a conversion that records again for centering, and the model
+    computes the original's outputs."""
+    import normswap.center.plan as center_plan
+    import normswap.rotate.plan as rotate_plan
+
+    calls = []
+    for module in (center_plan, rotate_plan):
+        real = module.record
+        monkeypatch.setattr(module, "record", lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    model = tiny_model(name)
+    again, reference = copy.deepcopy(model), copy.deepcopy(model)
+    normswap.convert(model, rotate="hadamard")
+    assert len(calls) == 1
+    real_plan = rotate_plan.plan_rotation
+
+    def forgetting(*args, **kwargs):  # the plan without its recording: centering records its own
+        plan = real_plan(*args, **kwargs)
+        plan.recorded = None
+        return plan
+
+    monkeypatch.setattr(normswap.rotate, "plan_rotation", forgetting)
+    normswap.convert(again, rotate="hadamard")
+    assert len(calls) == 3
+    a, b = _state(model), _state(again)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = example_ids()
+    assert (model_outputs(reference, ids) - model_outputs(model, ids)).abs().max().item() <= TOL
+
+
 def test_weights_really_move():
     """A rotation that changed nothing would pass every logits test: the embedding is E Q, every
     consumer weight W diag(g) Q."""

@@ -54,6 +54,7 @@ def center(
     *,
     untie: bool = True,
     add_biases: bool = True,
+    recorded=None,
 ) -> CenterResult:
     """Make every LayerNorm input of ``model`` zero-mean without changing its function, in place.
 
@@ -70,6 +71,8 @@ def center(
         untie: allow giving a holder of a written parameter (``lm_head`` tied to the embedding) its own
             copy; with False such a model is refused.
         add_biases: allow setting config flags that add zero biases to consumers.
+        recorded: the recording forward of this model as it is (``record.Recorder``, the rotation plan's), or
+            None to record one.
 
     Returns:
         A ``CenterResult``.
@@ -79,7 +82,7 @@ def center(
             non-linear producer, a stream also read by an RMSNorm or returned, untying disabled); the
             model is unchanged. Any other error before the commit also leaves it unchanged.
     """
-    plan = plan_centering(model, walk, inputs, untie=untie, add_biases=add_biases)
+    plan = plan_centering(model, walk, inputs, untie=untie, add_biases=add_biases, recorded=recorded)
     if plan.result.note is None:
         actions = prepare(model, plan)
         plan.result.inputs = describe(model, plan)  # before the commit: the embedding norm's own parameters

@@ -84,8 +84,12 @@ def plan_centering(
     *,
     untie: bool = True,
     add_biases: bool = True,
+    recorded=None,
 ) -> Plan:
     """Plan the centering of ``model`` (arguments as ``center``); changes nothing.
+
+    ``recorded``: a ``record.Recorder`` of this model as it is, on inputs of the same dataflow (the rotation
+    plan's), used instead of recording another forward.
 
     Returns:
         A ``Plan``; its ``result.note`` says why nothing is to be done for a model without LayerNorm.
@@ -98,7 +102,7 @@ def plan_centering(
     if not layer:
         result.note = "no LayerNorm: nothing to center (centering an RMSNorm model would change it)"
         return Plan(result, {}, {}, [], [], [], {})
-    rec = record(model, [s.name for s in walk.sites], inputs)
+    rec = recorded if recorded is not None else record(model, [s.name for s in walk.sites], inputs)
     finder = Writers(rec, {s.name: s.kind for s in walk.sites})
     cone: set[Key] = set()
     writes: dict[Key, list[Write]] = defaultdict(list)

@@ -91,6 +91,8 @@ class RotationPlan:
             ``LayerNorm(h Q) = LayerNorm(h) Q``; the conversion centers such a model first where it can.
         returned: stream norms whose output the model returns (hidden states rotated by design).
         heads: the per-head value/output rotation (``heads.HeadPlan``), or None.
+        recorded: the recording forward the plan was made from (``center.record.Recorder``), for centering
+            to use instead of recording another (``convert`` drops it once centering has run).
     """
 
     width: int
@@ -102,6 +104,7 @@ class RotationPlan:
     keep_ones: bool = False
     returned: list[str] = field(default_factory=list)
     heads: object | None = None
+    recorded: object | None = field(default=None, repr=False)
 
 
 def _refuse(error: CenteringError) -> RotationError:
@@ -280,6 +283,7 @@ def plan_rotation(
         from normswap.rotate.heads import plan_heads
 
         plan.heads = plan_heads(model, rec, plan)
+    plan.recorded = rec
     return plan
 
 

@@ -151,7 +151,7 @@ class ShardStore(Store):
         progress.note(f"{step} (streamed) ...")
 
     @exact_float32()
-    def center(self, model, walk, inputs, *, untie: bool, add_biases: bool):
+    def center(self, model, walk, inputs, *, untie: bool, add_biases: bool, recorded=None):
         """``normswap.center.center``: the same plan and arithmetic, each change of a streamed weight a
         transform (``prepare``'s ``defer``)."""
         from normswap.center import commit, plan_centering, prepare
@@ -164,7 +164,7 @@ class ShardStore(Store):
                 return None  # a tensor the conversion made (in memory): changed at once
             return lambda: streamed.transform(target, op)
 
-        plan = plan_centering(model, walk, inputs, untie=untie, add_biases=add_biases)
+        plan = plan_centering(model, walk, inputs, untie=untie, add_biases=add_biases, recorded=recorded)
         if plan.result.note is None:
             actions = prepare(model, plan, copy=streamed.copy, defer=defer, read=_read)
             plan.result.inputs = describe(model, plan)  # as in memory: before the commit
