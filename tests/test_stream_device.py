@@ -2,7 +2,7 @@
 
 There is no GPU in CI, so the GPU is the CPU here, reached through every device-moving code path of the
 streamed conversion: ``--device cuda`` is resolved (``normswap.device.resolve_device``, patched) to a device
-object every weight is read to, every fold is made on and every forward runs on (``convert_streamed``'s
+object every weight is read to, every fold is made on and every forward runs on (``ShardStore``'s
 ``device``), and the whole streamed
 pipeline runs with torch's default device set to ``meta`` (as tests/test_device_guard.py does for the
 in-memory pipeline): a tensor made without naming its device lands on ``meta`` and the first op that reads

@@ -142,7 +142,15 @@ class ShardStore(Store):
         Raises:
             NormswapError: such a read (a ``RuntimeError`` about a storage of size 0).
         """
-        return guarded(step, self.name)
+        try:
+            return step()
+        except RuntimeError as error:
+            if "storage" in str(error) and "size 0" in str(error):
+                raise NormswapError(
+                    f"{self.name}: cannot be streamed: a weight is read outside the module that holds it "
+                    f"({str(error).splitlines()[0]})"
+                ) from error
+            raise
 
     def settle(self) -> None:
         release_memory()
@@ -327,16 +335,3 @@ def device_peak(device: torch.device | str) -> dict[str, int]:
     if device.type != "cuda":
         return {}
     return {"peak_device_bytes": int(torch.cuda.max_memory_allocated(device))}
-
-
-def guarded(step, source: str):
-    """``step()``; a forward that reads a streamed weight outside its module becomes one clear line."""
-    try:
-        return step()
-    except RuntimeError as error:
-        if "storage" in str(error) and "size 0" in str(error):
-            raise NormswapError(
-                f"{source}: cannot be streamed: a weight is read outside the module that holds it "
-                f"({str(error).splitlines()[0]})"
-            ) from error
-        raise
