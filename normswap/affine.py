@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from normswap.device import cpu_float64_copy
-from normswap.sites import NormSite
+from normswap.sites import Consumer, NormSite
 
 _MAX_TENSORS = 4  # weight, bias, mean, var
 _RTOL = 1e-5  # a module that computes in float32 internally agrees with the float64 formula to ~1e-7
@@ -259,11 +259,11 @@ def _site(module, probe, shape, axis, fit, input_shape, name) -> NormSite | None
 
 def affine_foldability(
     site: NormSite, call, reasons: list[str], module: nn.Module
-) -> tuple[bool, str | None]:
+) -> tuple[bool, str | None, Consumer | None]:
     """Whether a per-channel site the walk found folds exactly: into its consumers (preferred: every use of
     its output a linear map or convolution along its channel axis, each with a bias when it shifts, none
     zero-padding its input then), or else into the producer of its input (a linear map or convolution
-    whose output only it reads, with a bias when it shifts); sets ``site.producer`` for the latter.
+    whose output only it reads, with a bias when it shifts).
 
     Args:
         site: from ``probe_affine``, with ``consumers`` set from the trace.
@@ -274,25 +274,25 @@ def affine_foldability(
         module: the module itself (its ``training`` flag).
 
     Returns:
-        ``(foldable, reason)``: the reason names what blocks each way, e.g. ``"output feeds gelu in X;
-        producer Y has no bias to absorb the shift"``.
+        ``(foldable, reason, producer)``: the reason names what blocks each way, e.g. ``"output feeds gelu
+        in X; producer Y has no bias to absorb the shift"``; ``producer`` is the op it folds into when it
+        folds into the producer of its input, else None.
     """
     if call.extra:
-        return False, f"called with another input ({call.extra}): not a one-input map, left in place"
+        return False, f"called with another input ({call.extra}): not a one-input map, left in place", None
     if site.kind == "batchnorm" and module.training:
         return False, (
             "in training mode: a BatchNorm normalizes by each batch's statistics there, not by a fixed map "
             "(call model.eval() before converting)"
-        )
+        ), None  # fmt: skip
     shifts = site.bias is not None or site.mean is not None
     into_consumers = _consumers_reason(site, reasons, shifts)
     if into_consumers is None:
-        return True, None
+        return True, None, None
     into_producer = _producer_reason(site, call, shifts)
     if into_producer is None:
-        site.producer = call.producers[0].producer
-        return True, None
-    return False, f"{into_consumers}; {into_producer}"
+        return True, None, call.producers[0].producer
+    return False, f"{into_consumers}; {into_producer}", None
 
 
 def _consumers_reason(site: NormSite, reasons: list[str], shifts: bool) -> str | None:

@@ -201,7 +201,7 @@ def plan_affine(
             or identity_error(site, module)
         )  # fmt: skip
         if reason:
-            site.foldable, site.reason, site.producer = False, reason, None
+            site.decide("affine fold plan", foldable=False, reason=reason, producer=None)
             continue
         for c in _targets(site):
             taken.update((p, site.producer is not None) for p in (c.param, c.bias) if p)
@@ -234,4 +234,4 @@ def fold_affine(model: nn.Module, site: NormSite) -> None:
             scale_axis_(weight, scale, c.axis)
     for attr, value in identity_values(site, module).items():
         getattr(module, attr).copy_(value)
-    site.folded = True
+    site.act("affine fold", folded=True)

@@ -602,12 +602,12 @@ def convert(
         report.untie_bytes = folding.untie_bytes
         report.norms_folded = len(folding.sites) + store.fold(model, result, folding, scales, stream)
         for site in result.sites:
-            if site.foldable and not site.folded:
-                site.reason = site.reason or "not folded"
+            if site.foldable and not site.folded and not site.reason:
+                site.decide("convert", reason="not folded")
     else:
         for site in result.sites:
             if site.foldable:
-                site.reason = "folding disabled by option"
+                site.decide("convert", reason="folding disabled by option")
     if centering is not None:  # centering may untie an embedding written into the residual stream
         report.untied = centering.untied + report.untied
         report.untie_bytes += centering.untie_bytes

@@ -13,13 +13,13 @@ the same Parameter as another module's (tied embeddings) is given its own copy (
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from normswap.reads import may_read_flag, tie_configs
-from normswap.sites import NORM_KINDS, NormSite
+from normswap.sites import NORM_KINDS, Consumer, NormSite
 from normswap.walk import Walk
 
 
@@ -57,7 +57,7 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None
     """
     result = FoldPlan(may_read_flag=may_read_flag(walk.config_reads))
     for site, reason in shared_norm_parameters(walk):
-        site.foldable, site.reason = False, reason
+        site.decide("fold plan", foldable=False, reason=reason)
     foldable = [s for s in walk.sites if s.foldable and s.kind in NORM_KINDS]  # AFFINE_KINDS: affine_fold
     sites_of: dict[str, set[str]] = {}
     for site in foldable:
@@ -88,12 +88,10 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None
                 break
         blocked = blocked or unrepresentable(model, site, read)
         if blocked:
-            site.foldable, site.reason = False, blocked
+            site.decide("fold plan", foldable=False, reason=blocked)
             continue
-        for c in site.consumers:
-            owner = next(((m, a) for m, a in walk.owners.get(c.param, []) if m == c.module), None)
-            if owner in to_untie:  # after untying, the consumer's weight is its own attribute
-                c.param = f"{owner[0]}.{owner[1]}" if owner[0] else owner[1]
+        if to_untie:  # after untying, each such consumer's weight is its own attribute
+            site.decide("fold plan", consumers=[_untied(c, walk, to_untie) for c in site.consumers])
         if to_untie:
             result.needs_untie.add(site.name)
         for owner in to_untie:
@@ -105,8 +103,16 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None
     while late := [(s, r) for s, r in shared_norm_parameters(walk) if any(s is x for x in result.sites)]:
         for site, reason in late:  # a holder of its Parameter was blocked above: none of them folds
             result.sites = [x for x in result.sites if x is not site]
-            site.foldable, site.reason = False, reason
+            site.decide("fold plan", foldable=False, reason=reason)
     return result
+
+
+def _untied(c: Consumer, walk: Walk, to_untie: list[tuple[str, str]]) -> Consumer:
+    """``c`` reading the weight its module holds once ``to_untie`` is untied (its own attribute)."""
+    owner = next(((m, a) for m, a in walk.owners.get(c.param, []) if m == c.module), None)
+    if owner not in to_untie:
+        return c
+    return replace(c, param=f"{owner[0]}.{owner[1]}" if owner[0] else owner[1])
 
 
 def shared_norm_parameters(walk: Walk) -> list[tuple[NormSite, str]]:
@@ -245,7 +251,7 @@ def untie_checked(model: nn.Module, folding: FoldPlan, inputs=None, copy=None) -
     reason = "the model reads tie_word_embeddings while running; untying its lm_head would change its outputs"
     for site in [s for s in folding.sites if s.name in folding.needs_untie]:
         folding.sites.remove(site)
-        site.foldable, site.reason = False, reason
+        site.decide("untie proof", foldable=False, reason=reason)
     folding.untie, folding.untie_bytes = [], 0
     return untied
 
@@ -485,4 +491,4 @@ def fold_site(model: nn.Module, site: NormSite, scale_shift=None) -> None:
     scale, shift = scale_shift if scale_shift is not None else scale_and_shift(site, norm)
     for change in fold_changes(site, scale, shift):
         apply_change(tensor_of(model, change.tensor), change, model.get_parameter)
-    site.folded = True
+    site.act("fold", folded=True)

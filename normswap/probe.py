@@ -566,8 +566,8 @@ def probe_module(
         cast_order="fp32",
         dtype=str(ref_tensor.dtype).removeprefix("torch.") if ref_tensor is not None else "none",
     )
-    site.eps = _run_dtype_eps(probe, module, site, n, run_dtype)
-    site.compute_dtype = _compute_dtype(probe, site, shape, gen)
+    site = dataclasses.replace(site, eps=_run_dtype_eps(probe, module, site, n, run_dtype))
+    site = dataclasses.replace(site, compute_dtype=_compute_dtype(probe, site, shape, gen))
     low = _in_dtypes(probe, module) if run_dtype in (torch.bfloat16, torch.float16) else None
-    site.cast_order = _cast_order(probe, site, shape, gen, low, run_dtype)  # last: it may turn probe to bf16
-    return site
+    # last: it may turn probe to bf16
+    return dataclasses.replace(site, cast_order=_cast_order(probe, site, shape, gen, low, run_dtype))

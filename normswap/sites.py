@@ -1,6 +1,8 @@
-"""Records that flow through the pipeline: what the walk found, what convert did.
+"""Records that flow through the pipeline: what the walk found, what each step decided and did.
 
-Every record is a plain dataclass with ``to_dict()`` so reports serialize to JSON.
+Every record is a plain dataclass with ``to_dict()`` so reports serialize to JSON. A ``NormSite`` is what
+the walk measured, never changed after the walk made it; each later verdict on it (``Decision``) and each
+change made to the norm (``Action``) is a record of its own, appended by the step that made it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ NORM_KINDS = ("rmsnorm", "layernorm")  # normalize over the last axis (probe.py)
 AFFINE_KINDS = ("batchnorm", "affine")  # a fixed per-channel affine map (affine.py); folded or left in place
 
 
-@dataclass
+@dataclass(frozen=True)
 class Consumer:
     """One op that uses a norm's output as the input of a linear map (or, as a site's ``producer``, whose
     output is the norm's input).
@@ -39,9 +41,50 @@ class Consumer:
     zero_pad: bool = False
 
 
-@dataclass
+DECIDED = ("foldable", "reason", "producer", "consumers")  # what a step may decide about a site
+DONE = ("folded", "scale_folded", "swapped", "kind")  # what a step may do to its norm
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one step decided about a site: new values of fields among ``DECIDED``.
+
+    Attributes:
+        step: the step that decided (``"walk"``, ``"fold plan"``, ``"untie proof"``, ``"carried tensors"``,
+            ``"affine fold plan"``, ``"centering"``, ``"rotation"``, ``"convert"``).
+        values: ``(field, value)`` pairs, e.g. ``(("foldable", False), ("reason", "..."))``.
+    """
+
+    step: str
+    values: tuple[tuple[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class Action:
+    """What one step did to a site's norm: new values of fields among ``DONE`` (``folded``: its affine
+    parameters now live in its consumers; ``kind``: centering made a LayerNorm an RMSNorm; ...).
+
+    Attributes:
+        step: the step that acted (``"fold"``, ``"affine fold"``, ``"rotation"``, ``"centering"``,
+            ``"swap"``).
+        values: ``(field, value)`` pairs, e.g. ``(("folded", True),)``.
+    """
+
+    step: str
+    values: tuple[tuple[str, Any], ...]
+
+
+_LATER = frozenset(DECIDED + DONE)
+
+
+@dataclass(frozen=True)
 class NormSite:
-    """One normalization module, its semantics as measured by probing, and what was done to it.
+    """One normalization module, its semantics as measured by probing, and what was decided and done.
+
+    The fields are what the walk found; a site is never changed once made. Each later verdict is a
+    ``Decision`` and each change to the norm an ``Action``, appended to ``records`` by ``decide`` and
+    ``act``: reading a field of ``DECIDED`` or ``DONE`` gives the value of the last record that set it, else
+    the field's own value.
 
     The module computes, over the last axis of its input ``x`` (shape ``(..., D)``)::
 
@@ -90,6 +133,8 @@ class NormSite:
         stats: for ``AFFINE_KINDS``, what the probe measured: ``input_shape`` (as traced), ``scale`` and
             ``shift`` (``[min, max]`` of the per-channel map ``y = x * scale + shift``), ``mean`` and
             ``var`` (``[min, max]`` of the running statistics), all from the unconverted module.
+        records: the ``Decision`` and ``Action`` records made after the site, in order (not in
+            ``to_dict``: the report holds the values they leave).
     """
 
     name: str
@@ -115,11 +160,40 @@ class NormSite:
     var: str | None = None
     producer: Consumer | None = None
     stats: dict[str, Any] | None = None
+    records: list[Decision | Action] = field(default_factory=list, init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "consumers", tuple(self.consumers))
+
+    def __getattribute__(self, name: str):
+        if name in _LATER:
+            for record in reversed(object.__getattribute__(self, "records")):
+                for key, value in record.values:
+                    if key == name:
+                        return value
+        return object.__getattribute__(self, name)
+
+    def decide(self, step: str, **values) -> None:
+        """Record what ``step`` decided: ``values`` maps fields of ``DECIDED`` to their new values."""
+        self._record(Decision, DECIDED, step, values)
+
+    def act(self, step: str, **values) -> None:
+        """Record what ``step`` did to the norm: ``values`` maps fields of ``DONE`` to their new values."""
+        self._record(Action, DONE, step, values)
+
+    def _record(self, kind, allowed: tuple[str, ...], step: str, values: dict[str, Any]) -> None:
+        unknown = sorted(values.keys() - set(allowed))
+        if unknown:
+            raise TypeError(f"{kind.__name__} cannot set {', '.join(unknown)}")
+        if "consumers" in values:
+            values["consumers"] = tuple(values["consumers"])
+        self.records.append(kind(step, tuple(values.items())))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["records"]
         d["shape"] = list(self.shape)
-        d["consumer_ops"] = d.pop("consumers")
+        d["consumer_ops"] = list(d.pop("consumers"))
         d["consumers"] = sorted({c.module for c in self.consumers})
         return d
 

@@ -90,12 +90,12 @@ def swap_norms(model: nn.Module, sites: list[NormSite], identity_weights: bool =
         parent = model.get_submodule(parent_name) if parent_name else model
         original = getattr(parent, attr)
         if isinstance(original, FusedRMSNorm | FusedLayerNorm):
-            site.swapped = True
+            site.act("swap", swapped=True)
             count += 1
             continue
         fused = fused_module(site, original, identity_weights)
         carry_hook(original, fused)  # device_map placement (accelerate's AlignDevicesHook)
         setattr(parent, attr, fused)
-        site.swapped = True
+        site.act("swap", swapped=True)
         count += 1
     return count

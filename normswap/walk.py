@@ -42,7 +42,7 @@ import inspect
 import logging
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -212,7 +212,7 @@ class _Tracer(TorchFunctionMode):
         self.call_of: dict[int, int] = {}  # id(module) -> index of first call (one site per module)
         self.stack: list[str] = []
         self.param_uses: dict[str, list[tuple[str, str]]] = defaultdict(list)
-        self.results: dict[int, list[Consumer]] = {}  # id(op output) -> consumers that produced it
+        self.results: dict[int, list[Use]] = {}  # id(op output) -> the consumer uses that produced it
         self.module_of_call: list[nn.Module] = []
         self.called: set[int] = set()  # id of every module the forward ran
         self.first_args: dict[int, tuple] = {}  # id(module) -> (args, kwargs) of its first call, if tagged
@@ -329,8 +329,10 @@ class _Tracer(TorchFunctionMode):
     def _module(self) -> str:
         return self.stack[-1] if self.stack else ""
 
-    def _use(self, tag: _Tag, op: str, reason: str | None = None, consumer: Consumer | None = None) -> None:
-        self.calls[tag.source].uses.append(Use(op, self._module(), consumer, reason))
+    def _use(self, tag: _Tag, op: str, reason: str | None = None, consumer: Consumer | None = None) -> Use:
+        use = Use(op, self._module(), consumer, reason)
+        self.calls[tag.source].uses.append(use)
+        return use
 
     def _nonlinear(self, tags: list[_Tag], op: str, why: str | None = None) -> None:
         where = f" in {self._module()}" if self._module() else ""
@@ -539,8 +541,7 @@ class _Tracer(TorchFunctionMode):
                     axis=base_axis,
                     bias=bias_ref.param if bias_ref else None,
                 )
-                self._use(tag, name, consumer=consumer)
-                consumers.append(consumer)
+                consumers.append(self._use(tag, name, consumer=consumer))
         if isinstance(bias, torch.Tensor) and id(bias) in self.pref:
             self.param_uses[self.pref[id(bias)].param].append((name, self._module()))
         if consumers:
@@ -620,7 +621,7 @@ class _Tracer(TorchFunctionMode):
         )  # fmt: skip
         self.produced[id(out)] = _Produced(weakref.ref(out), producer, channel)
 
-    def _keep_result(self, consumers: list[Consumer], out) -> None:
+    def _keep_result(self, consumers: list[Use], out) -> None:
         if isinstance(out, torch.Tensor):
             self.results[id(out)] = consumers
             self.keep.append(out)
@@ -642,11 +643,11 @@ class _Tracer(TorchFunctionMode):
         result, other = (args[0], args[1]) if id(args[0]) in self.results else (args[1], args[0])
         ref = self.pref[id(other)]
         param_shape = tuple(self.params[ref.param].shape)
-        for consumer in self.results[id(result)]:
-            weight_shape = list(self.params[consumer.param].shape)
-            del weight_shape[consumer.axis]
-            if consumer.bias is None and tuple(weight_shape) == param_shape:
-                consumer.bias = ref.param
+        for use in self.results[id(result)]:
+            weight_shape = list(self.params[use.consumer.param].shape)
+            del weight_shape[use.consumer.axis]
+            if use.consumer.bias is None and tuple(weight_shape) == param_shape:
+                use.consumer = replace(use.consumer, bias=ref.param)
         self.param_uses[ref.param].append(("add", self._module()))
 
     def _consumer_module(self, param: str) -> str:
@@ -905,11 +906,10 @@ def _guard_untouched(site: NormSite, untouched: list[str], params: dict[str, tor
             continue
         for c in site.consumers:
             if _common_depth(param, c.module) > _common_depth(site.name, c.module):
-                site.foldable = False
-                site.reason = (
+                site.decide("walk", foldable=False, reason=(
                     f"parameter {param} next to consumer {c.module} was never used in the trace and may "
                     f"read this norm's output on other inputs"
-                )
+                ))  # fmt: skip
                 return
 
 
@@ -944,26 +944,30 @@ def _sites(tracer: _Tracer, failures: dict[str, str]) -> list[NormSite]:
         if any(other.startswith(site.name + ".") for other in names):
             continue
         if site.kind in AFFINE_KINDS:
-            site.consumers = [u.consumer for u in call.uses if u.consumer is not None]
+            site = replace(site, consumers=[u.consumer for u in call.uses if u.consumer is not None])
             reasons = [u.reason for u in call.uses if u.reason is not None]
-            site.foldable, site.reason = affine_foldability(site, call, reasons, module)
+            foldable, reason, producer = affine_foldability(site, call, reasons, module)
+            site = replace(site, producer=producer)
         else:  # a norm folds into linear maps only (``fold.py``): a convolution reading it is another use
-            site.consumers = [
+            site = replace(site, consumers=[
                 u.consumer for u in call.uses if u.consumer is not None and u.op not in _CONV_OPS
-            ]
+            ])  # fmt: skip
             reasons = [
                 u.reason or f"feeds {u.op} in {u.module}"
                 for u in call.uses
                 if u.reason is not None or u.op in _CONV_OPS
             ]
-            site.foldable, site.reason = _foldability(site, call, reasons)
+            if call.extra:
+                site = replace(site, swappable=False)
+            foldable, reason = _foldability(site, call, reasons)
         broken = nonfinite_tensors(module)
         if broken:  # listed, never folded: its NaN/inf would spread into every consumer
-            site.foldable, site.reason, site.producer = False, f"{broken[0]} not finite", None
-        elif site.foldable and site.dtype == "float64" and site.compute_dtype and site.cast_order == "fp32":
+            foldable, reason, site = False, f"{broken[0]} not finite", replace(site, producer=None)
+        elif foldable and site.dtype == "float64" and site.compute_dtype and site.cast_order == "fp32":
             # a float64 fold would skip the float32 rounding of the weight product: off by ~1e-7 relative
-            site.foldable = False
-            site.reason = "multiplies by its weight in float32 inside a float64 model: a fold is not exact"
+            foldable = False
+            reason = "multiplies by its weight in float32 inside a float64 model: a fold is not exact"
+        site.decide("walk", foldable=foldable, reason=reason)
         sites.append(site)
     return sites
 
@@ -1010,7 +1014,8 @@ def _unreached(model: nn.Module, tracer: _Tracer) -> list[NormSite]:
         if site is None:
             site = _unreached_affine(module, name)
         if site is not None:
-            site.reached, site.foldable, site.reason = False, False, NOT_REACHED
+            site = replace(site, reached=False)
+            site.decide("walk", foldable=False, reason=NOT_REACHED)
             sites.append(site)
     return sites
 
@@ -1028,8 +1033,7 @@ def _unreached_affine(module: nn.Module, name: str) -> NormSite | None:
 
 
 def _foldability(site: NormSite, call: SourceCall, reasons: list[str]) -> tuple[bool, str | None]:
-    if call.extra:
-        site.swappable = False
+    if call.extra:  # the caller marked the site not swappable
         return False, f"called with another input ({call.extra}): not a one-input norm, left in place"
     if reasons:
         return False, f"output {reasons[0]}"

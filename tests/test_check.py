@@ -64,7 +64,8 @@ def manual_fold(model, sites, *, ignore_offset_at=()) -> None:
             weight = modules[c.module].weight
             weight.copy_((weight.double() * scale).to(weight.dtype))
         w.fill_(1.0 - s.offset)
-        s.folded = s.swapped = True
+        s.act("fold", folded=True)
+        s.act("swap", swapped=True)
 
 
 def byte_tokenizer():

@@ -10,6 +10,7 @@ the cost is a temporary copy of the written parameters.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -19,6 +20,7 @@ from normswap.center import rewrite
 from normswap.center.plan import Plan
 from normswap.center.rewrite import table_rows
 from normswap.fold import untie_config
+from normswap.sites import Consumer
 from normswap.walk import Walk
 
 Action = tuple  # ("untie", (module, attr), Parameter) | ("bias", (module, attr), Parameter)
@@ -132,22 +134,28 @@ def commit(model: nn.Module, walk: Walk, plan: Plan, actions: list[Action]) -> N
         else:
             target.copy_(value)
     for site in plan.resolved:
-        for c in site.consumers:
-            for flag in plan.flags:
-                if c.bias is None and c.module in flag.biases:
-                    c.bias = f"{c.module}.{flag.biases[c.module][0]}"
-        site.foldable, site.reason = True, None
+        site.decide("centering", foldable=True, reason=None,
+                    consumers=[_with_flag_bias(c, plan.flags) for c in site.consumers])  # fmt: skip
     tables = {norm for norm, _ in plan.tables.values()}
     for site in walk.sites:
         if site.name not in plan.result.sites:
             continue
-        site.kind = "rmsnorm"
+        site.act("centering", kind="rmsnorm")
         if site.name in plan.result.kept_bias:
-            site.reason = f"bias kept on the RMSNorm: {site.reason}, and no config setting adds one"
+            site.decide("centering", reason=f"bias kept on the RMSNorm: {site.reason}, and no config setting "
+                        "adds one")  # fmt: skip
         if site.name in tables:
-            site.reason = (
+            site.decide("centering", reason=(
                 "norm of an embedding lookup: the table was rewritten, the norm holds a constant scale"
-            )
+            ))  # fmt: skip
+
+
+def _with_flag_bias(c: Consumer, flags) -> Consumer:
+    """``c`` with the bias a config flag of ``flags`` gave its module, if it had none."""
+    for flag in flags:
+        if c.bias is None and c.module in flag.biases:
+            c = replace(c, bias=f"{c.module}.{flag.biases[c.module][0]}")
+    return c
 
 
 def _retarget(walk: Walk, shared: str, module: str, attr: str) -> None:
@@ -163,8 +171,11 @@ def _retarget(walk: Walk, shared: str, module: str, attr: str) -> None:
         walk.owners[rest_name] = rest
         walk.param_uses[rest_name] = [u for u in uses if u[1] != module]
     for site in walk.sites:
-        for c in site.consumers:
-            if c.param == shared:
-                c.param = new if c.module == module else rest_name
-            if c.bias == shared:
-                c.bias = new if c.module == module else rest_name
+        if any(shared in (c.param, c.bias) for c in site.consumers):
+            site.decide("centering", consumers=[_renamed(c, shared, new if c.module == module else rest_name)
+                                                for c in site.consumers])  # fmt: skip
+
+
+def _renamed(c: Consumer, old: str, new: str) -> Consumer:
+    """``c`` with its weight or bias named ``new`` where it was ``old``."""
+    return replace(c, param=new if c.param == old else c.param, bias=new if c.bias == old else c.bias)

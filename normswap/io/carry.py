@@ -328,11 +328,10 @@ def keep_final_norms(model: torch.nn.Module, sites, skipped: list[str]) -> list[
     kept = []
     for site in final_norms(model, sites):
         if site.foldable:
-            site.foldable = False
-            site.reason = (
+            site.decide("carried tensors", foldable=False, reason=(
                 f"kept unfolded: {len(reading)} checkpoint tensors the model class does not run "
                 f"({_names(reading, 1)}) may read its output; they are copied unchanged"
-            )
+            ))  # fmt: skip
             kept.append(site.name)
     return kept
 

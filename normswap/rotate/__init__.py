@@ -191,7 +191,7 @@ def fold_and_rotate(model, plan: RotationPlan, sites, folding, kind: str, seed: 
     tensors = apply(model, plan, sites, folded, matrices, defer=defer, read=read)
     for name in plan.kept_bias:
         site = by_name[name]
-        site.scale_folded = True
-        site.reason = f"scale folded, bias kept on the norm and rotated ({site.reason})"
+        site.act("rotation", scale_folded=True)
+        site.decide("rotation", reason=f"scale folded, bias kept on the norm and rotated ({site.reason})")
     log.info("rotated the residual stream: %s", matrices["Q"].description)
     return Rotation(kind, seed, matrices, tensors, plan, kept_scales=kept)

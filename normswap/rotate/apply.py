@@ -371,7 +371,7 @@ def apply(
         p.fill_(value)
     by_site = {s.name: s for s in sites}
     for name in planned.folded:
-        by_site[name].folded = True
+        by_site[name].act("rotation", folded=True)
     return planned.records
 
 

@@ -204,7 +204,7 @@ class ShardStore(Store):
         ``skip``), each marked folded; no affine site is folded (a streamed model is a causal LM)."""
         self.writes = dataclasses.replace(folding, sites=[s for s in folding.sites if s.name not in skip])
         for site in folding.sites:
-            site.folded = True
+            site.act("fold", folded=True)
         return 0
 
     @contextlib.contextmanager
