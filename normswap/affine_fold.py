@@ -183,9 +183,10 @@ def _sharing(site: NormSite, walk: Walk, taken: set[tuple[str, bool]]) -> str | 
 def plan_affine(
     model: nn.Module, walk: Walk, read: Callable[[str], torch.Tensor] | None = None
 ) -> list[NormSite]:
-    """The foldable ``AFFINE_KINDS`` sites of ``walk`` that fold exactly; the others are marked not
-    foldable with the reason (a target weight shared, a fold that would overflow its dtype, an identity
-    that is not exact in the module's dtype). Nothing is written.
+    """The foldable ``AFFINE_KINDS`` sites of ``walk`` that fold exactly; on the others a ``Decision``
+    (step ``"affine fold plan"``) records them not foldable with the reason (a target weight shared, a
+    fold that would overflow its dtype, an identity that is not exact in the module's dtype). Nothing is
+    written.
 
     ``read(name)`` gives a parameter's values (default ``model.get_parameter``).
     """

@@ -31,7 +31,8 @@ class FoldPlan:
         sites: sites that will be folded (``site.foldable`` and nothing in the way).
         untie: ``(module_name, attribute)`` pairs whose Parameter is shared and gets its own copy.
         untie_bytes: extra bytes the untied copies cost.
-        needs_untie: names of the sites that fold only once ``untie`` is done.
+        needs_untie: the sites that fold only once ``untie`` is done: name -> their consumers before the plan
+            gave them the untied copies (what they read if the untying is undone).
         may_read_flag: whether the walk's forward may have read ``tie_word_embeddings`` (``normswap.reads``);
             only then does ``untie_checked`` compare outputs before and after untying.
     """
@@ -39,12 +40,14 @@ class FoldPlan:
     sites: list[NormSite] = field(default_factory=list)
     untie: list[tuple[str, str]] = field(default_factory=list)
     untie_bytes: int = 0
-    needs_untie: set[str] = field(default_factory=set)
+    needs_untie: dict[str, tuple[Consumer, ...]] = field(default_factory=dict)
     may_read_flag: bool = True
 
 
 def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None = None) -> FoldPlan:
-    """Decide which foldable sites fold, and what must be untied; marks blocked sites with their reason.
+    """Decide which foldable sites fold, and what must be untied; records on each blocked site a
+    ``Decision`` (step ``"fold plan"``) with the reason, and on a site that folds once a weight is untied
+    its consumers reading the untied copy.
 
     A site whose folded consumer weights (or biases) would not fit their dtype is blocked here, before
     anything is written (``unrepresentable``), so a refused fold never leaves an inf in the model.
@@ -91,9 +94,8 @@ def plan(model: nn.Module, walk: Walk, untie: bool = True, read: Callable | None
             site.decide("fold plan", foldable=False, reason=blocked)
             continue
         if to_untie:  # after untying, each such consumer's weight is its own attribute
+            result.needs_untie[site.name] = site.consumers
             site.decide("fold plan", consumers=[_untied(c, walk, to_untie) for c in site.consumers])
-        if to_untie:
-            result.needs_untie.add(site.name)
         for owner in to_untie:
             if owner not in result.untie:
                 result.untie.append(owner)
@@ -251,7 +253,7 @@ def untie_checked(model: nn.Module, folding: FoldPlan, inputs=None, copy=None) -
     reason = "the model reads tie_word_embeddings while running; untying its lm_head would change its outputs"
     for site in [s for s in folding.sites if s.name in folding.needs_untie]:
         folding.sites.remove(site)
-        site.decide("untie proof", foldable=False, reason=reason)
+        site.decide("untie proof", foldable=False, reason=reason, consumers=folding.needs_untie[site.name])
     folding.untie, folding.untie_bytes = [], 0
     return untied
 

@@ -7,7 +7,7 @@ change made to the norm (``Action``) is a record of its own, appended by the ste
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 NORM_KINDS = ("rmsnorm", "layernorm")  # normalize over the last axis (probe.py); swapped for a fused module
@@ -172,6 +172,10 @@ class NormSite:
                     if key == name:
                         return value
         return object.__getattribute__(self, name)
+
+    def as_found(self) -> NormSite:
+        """A new site with this one's fields as the walk made them: no record applied."""
+        return NormSite(**{f.name: object.__getattribute__(self, f.name) for f in fields(self) if f.init})
 
     def decide(self, step: str, **values) -> None:
         """Record what ``step`` decided: ``values`` maps fields of ``DECIDED`` to their new values."""

@@ -23,14 +23,15 @@ QUANTIZE_EXAMPLE = (
 
 
 def quantize_line(report: dict, output: Path | None) -> str | None:
-    """After a conversion that folded norms but did not rotate: one line saying that folded weights quantize
-    worse than the original's (a measured example), pointing at --rotate and ``eval --quantize``."""
+    """After a conversion that folded norms but did not rotate: one line saying that folded weights can
+    quantize worse than the original's (an example measured on another model), pointing at --rotate and
+    ``eval --quantize``, which measures this one."""
     if not report.get("norms_folded") or report.get("rotation"):
         return None
     command = f"normswap eval --model {report.get('model')} --converted {output or 'OUT'} --quantize w4"
     return (
-        f"quantize: folded weights quantize worse than the original's ({QUANTIZE_EXAMPLE}); --rotate "
-        f"hadamard spreads activation outliers; measure yours: {command} --quantize a6"
+        f"quantize: folded weights can quantize worse than the original's (measured on {QUANTIZE_EXAMPLE}); "
+        f"--rotate hadamard spreads activation outliers; measure yours: {command} --quantize a6"
     )
 
 

@@ -241,7 +241,8 @@ def test_the_identity_left_behind_returns_the_input_bit_for_bit(dtype):
     assert report.sites[0].folded
     x = torch.randn(3, 4, 7).to(dtype) * 100
     assert torch.equal(model[1](x), x)
-    wrong = dataclasses.replace(report.sites[0], eps=0.1)  # an eps the module does not use: its identity would be off, and is refused
+    # an eps the module does not use: its identity would be off, and is refused
+    wrong = dataclasses.replace(report.sites[0], eps=0.1)
     assert "is not exact in" in identity_error(wrong, model[1])
 
 

@@ -397,6 +397,12 @@ def test_ctrl_c_signal_in_a_real_process(sig, tiny_gguf, tmp_path):
         assert not list(tmp_path.glob(f".o{i}*")), delay
 
 
+def _sigint_default():
+    """In the child: SIGINT as a user's shell gives it (a suite started by ``cmd &`` in a non-interactive
+    shell passes it on ignored, and the CLI rightly keeps an ignored SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("where", ["command", "import"])
 def test_signal_inside_code_built_from_a_string_still_exits_with_our_code(sig, where, tiny_gguf, tmp_path):
@@ -432,7 +438,7 @@ run()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
     # as `python -m normswap` runs: a module (the interpreter's exit code of a script or -c is not affected)
     proc = subprocess.run([sys.executable, "-m", "interrupting"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+                          text=True, timeout=300, preexec_fn=_sigint_default)  # fmt: skip
     assert proc.returncode == code, (proc.returncode, proc.stderr)
     assert proc.stderr.splitlines()[-1].startswith(f"normswap: {how}"), proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists(), proc.stderr
@@ -461,7 +467,8 @@ cli.main()
     (tmp_path / "interrupting_import.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
     args = [sys.executable, "-m", "interrupting_import"]
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                          preexec_fn=_sigint_default)  # fmt: skip
     assert proc.returncode == 130, (proc.returncode, proc.stderr)
     assert marker.read_text() == "the import went on"
     assert proc.stderr.splitlines()[-1].startswith("normswap: interrupted"), proc.stderr

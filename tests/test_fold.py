@@ -285,6 +285,8 @@ def test_untie_proof_on_the_first_positions_still_refuses_a_model_that_reads_the
     assert not final.folded and final.reason.startswith("the model reads tie_word_embeddings while running")
     assert report.untied == [] and model.config.tie_word_embeddings is True
     assert model.inner.lm_head.weight is model.inner.model.embed_tokens.weight
+    # its consumer reads the shared weight again, as the walk found it (not the copy the plan had named)
+    assert [c.param for c in final.consumers] == ["inner.model.embed_tokens.weight"]
     proof = forwarded[1:]  # after the walk's forward, then the untie proof's two
     assert len(proof) == 2 and all(f["input_ids"].shape == (1, 8) for f in proof)
     with torch.no_grad():

@@ -283,8 +283,8 @@ def test_convert_summary_says_folded_weights_quantize_worse():
               "norms_swapped": 3}  # fmt: skip
     lines = [line for line in summary(report, "out", None).splitlines() if line.startswith("quantize:")]
     assert lines == [
-        f"quantize: folded weights quantize worse than the original's ({QUANTIZE_EXAMPLE}); --rotate "
-        "hadamard spreads activation outliers; measure yours: normswap eval --model smollm2-135m "
+        f"quantize: folded weights can quantize worse than the original's (measured on {QUANTIZE_EXAMPLE}); "
+        "--rotate hadamard spreads activation outliers; measure yours: normswap eval --model smollm2-135m "
         "--converted out --quantize w4 --quantize a6"
     ]
     for other in ({"rotation": {"kind": "hadamard"}}, {"norms_folded": 0}):  # rotated, or nothing folded

@@ -1,10 +1,10 @@
 """Applying a plan atomically: ``prepare`` allocates, ``commit`` only assigns (docs/CENTERING.md).
 
-``prepare`` computes every new tensor (untied copies, zero biases, centered weights, rewritten tables)
-without changing the model and returns them as actions; ``commit`` applies the actions (attribute
-assignments and same-shape copies, which cannot fail half-way) and updates the walk's records so that
-``fold`` and ``swap`` see the centered model. An error before the commit leaves the model bit-identical;
-the cost is a temporary copy of the written parameters.
+``prepare`` computes every new tensor (untied copies, zero biases, centered weights, rewritten tables) without
+changing the model and returns them as actions; ``commit`` applies the actions (attribute assignments and
+same-shape copies, which cannot fail half-way) and records on the walk's sites what centering decided and did,
+so that ``fold`` and ``swap`` see the centered model. An error before the commit leaves the model
+bit-identical; the cost is a temporary copy of the written parameters.
 """
 
 from __future__ import annotations
@@ -107,11 +107,12 @@ def prepare(
 
 @torch.no_grad()
 def commit(model: nn.Module, walk: Walk, plan: Plan, actions: list[Action]) -> None:
-    """Apply the prepared actions and update the walk's records, in place.
+    """Apply the prepared actions, in place, and record them on the walk's sites (step ``"centering"``).
 
-    Afterwards every planned site has ``kind == "rmsnorm"``; sites that the config flags made foldable
-    are foldable, with the new biases on their consumers; a site that keeps its bias or reads a rewritten
-    table says so in its ``reason``; untied parameters have their new names in ``walk``.
+    Afterwards every planned site has ``kind == "rmsnorm"`` (an ``Action``); sites that the config flags
+    made foldable are foldable, with the new biases on their consumers; a site that keeps its bias or reads
+    a rewritten table says so in its ``reason`` (``Decision``s); untied parameters have their new names in
+    ``walk``'s ``owners`` and ``param_uses`` and in the consumers of its sites.
     """
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     for kind, target, *rest in actions:

@@ -321,7 +321,7 @@ def final_norms(model: torch.nn.Module, sites) -> list:
 def keep_final_norms(model: torch.nn.Module, sites, skipped: list[str]) -> list[str]:
     """Keep the final norm(s) unfolded when the checkpoint has tensors the model class does not run that
     may read the final hidden state after that norm (``may_read_outputs``; see the module docstring).
-    Marks those sites not foldable, with the reason; returns their names."""
+    Records those sites not foldable, with the reason (step ``"carried tensors"``); returns their names."""
     reading = may_read_outputs(model, skipped) if skipped else []
     if not reading:
         return []

@@ -444,7 +444,7 @@ def kept_bias_blocked(site: NormSite, walk: Walk) -> bool:
 
 def _precheck_weights(model: nn.Module, walk: Walk, plan: RotationPlan, untie: bool, read=None) -> None:
     """Every stream norm will end weightless: refused now when it cannot (before any change)."""
-    trial = copy.deepcopy(walk)  # fold.plan marks blocked sites on its walk: a copy (the real plan is later)
+    trial = copy.deepcopy(walk)  # fold.plan records on its walk's sites: a copy (the real plan is later)
     folds = {s.name for s in fold_plan(model, trial, untie=untie, read=read).sites}
     by_name = {s.name: s for s in trial.sites}
     for name in plan.stream_sites:
