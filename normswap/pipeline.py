@@ -110,8 +110,9 @@ def convert_pretrained(
     if report is not None:
         report_file = io.check_output_file(Path(report), [model], output)
     stages.start("load", f"{model} ({options.dtype})")  # one stage: in memory or streamed, then the load
-    store = _streamed(model, output, options) or MemoryStore.load(model, output, options, stages)
-    return _convert(store, output, options, stages, report, report_file)
+    with io.quiet_libraries():  # as the CLI: transformers' bars and warnings would bury the result
+        store = _streamed(model, output, options) or MemoryStore.load(model, output, options, stages)
+        return _convert(store, output, options, stages, report, report_file)
 
 
 class MemoryStore(Store):

@@ -151,6 +151,37 @@ def test_a_failed_check_is_a_result_and_saves_nothing(saved, tmp_path, monkeypat
     assert json.loads((tmp_path / "r.json").read_text())["saved"] is False
 
 
+def test_convert_pretrained_prints_nothing_and_leaves_the_callers_logging(
+    saved, tmp_path, monkeypatch, capfd
+):
+    """As the CLI, the API hides transformers' progress bars and warnings while it runs (docs/API.md: the
+    library prints nothing), and gives the caller's transformers settings back afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    src, _ = saved["llama"]
+    before = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
+    hf_logging.set_verbosity_info()
+    hf_logging.enable_progress_bar()
+    seen = []
+    real = pipeline._convert
+
+    def spying(*args, **kwargs):
+        seen.append((hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_convert", spying)
+    try:
+        result = normswap.convert_pretrained(src, tmp_path / "out", **FEW)
+        after = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
+    finally:
+        hf_logging.set_verbosity(before[0])
+        (hf_logging.enable_progress_bar if before[1] else hf_logging.disable_progress_bar)()
+    assert result.passed and seen == [(hf_logging.ERROR, False)]
+    assert after == (hf_logging.INFO, True)
+    captured = capfd.readouterr()
+    assert captured.out == "" and captured.err == "", captured
+
+
 STORES = {  # name -> (model, options): each option's path
     "plain": ("llama", {}),
     "moe": ("qwen3_moe", {}),

@@ -21,6 +21,7 @@ from normswap.io.load import (
     is_causal_lm,
     load_model,
     load_tokenizer,
+    quiet_libraries,
     quiet_loading,
     resolve,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "load_model",
     "load_pretrained",
     "plain_float_checkpoint",
+    "quiet_libraries",
     "quiet_loading",
     "read_manifest",
     "report_dict",

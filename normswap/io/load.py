@@ -174,6 +174,25 @@ def quiet_loading() -> None:
     hub_logging.set_verbosity_error()
 
 
+@contextlib.contextmanager
+def quiet_libraries():
+    """``quiet_loading`` while the block runs, then transformers' and huggingface_hub's verbosity and
+    transformers' progress bars as they were (the Python API leaves its caller's settings alone)."""
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging as hf_logging
+
+    verbosity, hub_verbosity = hf_logging.get_verbosity(), hub_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    quiet_loading()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hub_logging.set_verbosity(hub_verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 # The heads normswap loads, in order of preference: transformers Auto class -> the constant in
 # transformers.models.auto.modeling_auto that lists the model classes it builds. AutoModel (last) is for
 # headless encoders; a model whose config names any other head is refused rather than loaded headless.
