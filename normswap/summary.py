@@ -83,7 +83,7 @@ def summary(report: dict, output: Path | None, report_path: Path | None) -> str:
         f"{report['norms_swapped']} swapped",
     ]
     if report.get("norm") == "rmsnorm" and not report.get("centering"):
-        lines.append("centering: none: the model has no LayerNorm (--norm rmsnorm changed nothing)")
+        lines.append("center:   none: the model has no LayerNorm (--norm rmsnorm changed nothing)")
     untied = report.get("untied") or []
     if untied:
         lines.append(f"untied:   {', '.join(untied)} (+{progress.size(report.get('untie_bytes') or 0)})")

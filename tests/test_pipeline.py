@@ -188,12 +188,12 @@ def test_norm_rmsnorm_on_a_model_without_layernorm_says_it_changed_nothing(saved
     src, _ = saved["llama"]
     plain = normswap.convert_pretrained(src, tmp_path / "plain", **FEW)
     asked = normswap.convert_pretrained(src, tmp_path / "asked", norm="rmsnorm", **FEW)
-    line = "centering: none: the model has no LayerNorm (--norm rmsnorm changed nothing)"
+    line = "center:   none: the model has no LayerNorm (--norm rmsnorm changed nothing)"
     assert asked.passed and line in asked.summary.splitlines() and line not in plain.summary
     a, b = _tensors(tmp_path / "plain"), _tensors(tmp_path / "asked")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     centered = normswap.convert_pretrained(saved["gpt2"][0], tmp_path / "gpt2", norm="rmsnorm", **FEW)
-    assert centered.passed and "centering: none" not in centered.summary
+    assert centered.passed and "center:   none" not in centered.summary
 
 
 STORES = {  # name -> (model, options): each option's path
