@@ -10,7 +10,7 @@ verify, over a store that holds the weights: ``MemoryStore`` (the model loaded w
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,6 +30,7 @@ from normswap.io import carry
 from normswap.options import output_problem
 from normswap.rotate import ROTATION_FILE, RotationError, check_saved, rotate_reference
 from normswap.rotate.heads import HeadRotationError
+from normswap.sites import NormSite
 from normswap.summary import summary
 from normswap.swap import swap_norms
 from normswap.walk import short_inputs, walk
@@ -50,6 +51,8 @@ class ConvertResult:
             stderr line says it (its exit code is then 1).
         main: False on a distributed rank other than the main one (``accelerate launch``), which prints
             and writes nothing.
+        sites: the norms as converted (``normswap.sites.NormSite``), each with the ``records`` of what each
+            step decided and did (the report's ``sites`` hold the values they leave).
     """
 
     report: dict
@@ -59,6 +62,7 @@ class ConvertResult:
     summary: str
     failure: str | None = None
     main: bool = True
+    sites: list[NormSite] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -287,7 +291,7 @@ def _convert(store, output: Path, options: ConvertOptions, stages, report, repor
     verify_failed = not data.get("verify", {}).get("passed", True)
     saved = (passed and not verify_failed) or o.force
     data["saved"] = saved
-    return _result(data, passed, verify_failed, saved, output, report, report_file, o)
+    return _result(data, passed, verify_failed, saved, output, report, report_file, o, result.sites)
 
 
 def _check(store, result, reference, embeds, converted, input_ids, check_input, inputs, o, stages):
@@ -317,7 +321,8 @@ def _check(store, result, reference, embeds, converted, input_ids, check_input, 
     return data, bool(checked.passed), extra_files
 
 
-def _result(report_dict, passed, verify_failed, saved, output, report, report_file, options) -> ConvertResult:
+def _result(report_dict, passed, verify_failed, saved, output, report, report_file, options,
+            sites) -> ConvertResult:  # fmt: skip
     if report is not None:
         io.write_json(report_file, report_dict)
     failure = None
@@ -325,7 +330,8 @@ def _result(report_dict, passed, verify_failed, saved, output, report, report_fi
         what = "check FAILED" if not passed else "verification of the saved checkpoint FAILED"
         failure = what + ("; saved anyway (--force)" if options.force else "; nothing saved")
     lines = summary(report_dict, output if saved else None, Path(report) if report is not None else None)
-    return ConvertResult(report_dict, passed and not verify_failed, saved, output, lines, failure)
+    passed = passed and not verify_failed
+    return ConvertResult(report_dict, passed, saved, output, lines, failure, sites=sites)
 
 
 def _streamed(model: str, output: Path, options: ConvertOptions):
