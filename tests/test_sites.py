@@ -86,3 +86,15 @@ def test_untying_gives_the_folded_consumer_its_own_weight(tiny_model, input_ids)
     assert final.consumers[0].param == "lm_head.weight"
     assert report.untied == ["lm_head.weight"] and final.folded
     assert model.lm_head.weight is not model.model.embed_tokens.weight
+
+
+def test_convert_pretrained_gives_the_sites_with_their_records(tmp_path, tiny_model):
+    """The API's result holds the sites as converted, records included; their values are the report's."""
+    import normswap
+
+    src = tmp_path / "llama"
+    tiny_model("llama").save_pretrained(src)
+    result = normswap.convert_pretrained(src, tmp_path / "out", tokens=32)
+    assert result.passed and [s.to_dict() for s in result.sites] == result.report["sites"]
+    assert len(result.sites) == result.report["norms_found"] > 0
+    assert all([r.step for r in s.records] == ["walk", "fold", "swap"] for s in result.sites)
