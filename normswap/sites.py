@@ -84,7 +84,8 @@ class NormSite:
     The fields are what the walk found; a site is never changed once made. Each later verdict is a
     ``Decision`` and each change to the norm an ``Action``, appended to ``records`` by ``decide`` and
     ``act``: reading a field of ``DECIDED`` or ``DONE`` gives the value of the last record that set it, else
-    the field's own value.
+    the field's own value. ``dataclasses.replace(site, ...)`` makes a new site from the values as they read
+    now, with no records (the walk and the probe build sites that way before any step records on them).
 
     The module computes, over the last axis of its input ``x`` (shape ``(..., D)``)::
 

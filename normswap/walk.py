@@ -957,8 +957,7 @@ def _sites(tracer: _Tracer, failures: dict[str, str]) -> list[NormSite]:
                 for u in call.uses
                 if u.reason is not None or u.op in _CONV_OPS
             ]
-            if call.extra:
-                site = replace(site, swappable=False)
+            site = replace(site, swappable=not call.extra)  # another input: not a plain norm, left in place
             foldable, reason = _foldability(site, call, reasons)
         broken = nonfinite_tensors(module)
         if broken:  # listed, never folded: its NaN/inf would spread into every consumer
@@ -1033,7 +1032,7 @@ def _unreached_affine(module: nn.Module, name: str) -> NormSite | None:
 
 
 def _foldability(site: NormSite, call: SourceCall, reasons: list[str]) -> tuple[bool, str | None]:
-    if call.extra:  # the caller marked the site not swappable
+    if call.extra:  # not swappable either (``_sites``)
         return False, f"called with another input ({call.extra}): not a one-input norm, left in place"
     if reasons:
         return False, f"output {reasons[0]}"
