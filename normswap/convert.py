@@ -469,6 +469,8 @@ def convert(
         traced: a ``normswap.walk.walk(model, inputs)`` of this model taken just before (so a caller that
             needed the sites first, e.g. to record a reference, does not trace twice); walked here if None.
             With ``keep_hidden_states`` it must have been walked with ``keep_hidden_states=True`` too.
+            Walked with ``record=True``, its recording serves the rotation plan and centering (handed over:
+            the walk no longer holds it); else they record a forward of their own.
         rotate: ``"hadamard"``, ``"random"`` or ``"learned"``: after folding, rotate the residual stream by
             an orthogonal ``Q`` (hidden x hidden; a randomized Hadamard matrix where a construction is known,
             else a seeded random orthogonal one); a LayerNorm model is centered first (as
@@ -512,7 +514,13 @@ def convert(
         raise ValueError(KEEP_VS_ROTATE)
     store = store if store is not None else Store()
     inputs = trace_inputs(input_ids, example_inputs)
-    result = traced if traced is not None else walk(model, inputs, keep_hidden_states=keep_hidden_states)
+    if traced is None:
+        traced = walk(model, inputs, keep_hidden_states=keep_hidden_states,
+                      record=norm == "rmsnorm" or rotate is not None)  # fmt: skip
+    result = traced
+    # the walk's recording forward serves the rotation plan and centering (on a streamed model, one pass
+    # over the weights on disk); not across the learned rotation, whose memory goes to the copy it trains
+    recorded = result.take_recording()
     if not result.sites:
         raise NormswapError(f"{_model_name(model)}: {no_norms_message(result)}")
     rotation_plan = None
@@ -528,15 +536,11 @@ def convert(
         # checkpoint tensors the class does not run (an MTP layer) would read a rotated stream: the CLI
         # refuses them before converting, save_converted(input_path=...) before writing (normswap.io.carry)
         store.note("planning the rotation of the residual stream")
-        rotation_plan = store.run(
-            lambda: plan_rotation(model, result, inputs, untie=untie, heads=rotate_heads, read=store.read)
-        )
-        store.settle()
-    # the rotation plan's recording forward serves centering too (on a streamed model, one pass over the
-    # weights on disk fewer); not across the learned rotation, whose memory goes to the copy it trains
-    recorded = None
-    if rotation_plan is not None:
+        rotation_plan = store.run(lambda: plan_rotation(
+            model, result, inputs, untie=untie, heads=rotate_heads, read=store.read, recorded=recorded
+        ))  # fmt: skip
         recorded, rotation_plan.recorded = rotation_plan.recorded, None
+        store.settle()
     learned = None
     if rotate == "learned":  # from a copy of the model as it is now: nothing changed yet
         recorded = None

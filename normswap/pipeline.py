@@ -232,7 +232,10 @@ def _convert(store, output: Path, options: ConvertOptions, stages, report, repor
     stages.start("walk", "finding the norms and their consumers" + store.label)
     # the dataflow does not depend on the length
     walk_ids = short_inputs(input_ids)
-    traced = store.run(lambda: walk(store.model, walk_ids, keep_hidden_states=o.keep_hidden_states))
+    # the same forward records the graph the rotation plan and centering read
+    record = o.norm == "rmsnorm" or o.rotate is not None
+    traced = store.run(lambda: walk(store.model, walk_ids, keep_hidden_states=o.keep_hidden_states,
+                                    record=record))  # fmt: skip
     if not traced.sites:
         raise NormswapError(f"{name}: {no_norms_message(traced)}; nothing to convert")
     already_converted(name, store.model, traced.sites, o.norm, store.manifest, rotate=o.rotate)

@@ -54,6 +54,7 @@ from normswap.affine import affine_foldability, channel_axes, channels, probe_af
 from normswap.device import exact_float32, model_device, refuse_offloaded
 from normswap.probe import ProbeError, is_candidate, nonfinite_tensors, probe_module
 from normswap.reads import read_names, tie_configs
+from normswap.recording import Recorder
 from normswap.sites import AFFINE_KINDS, Consumer, NormSite
 
 log = logging.getLogger("normswap")
@@ -178,6 +179,8 @@ class Walk:
         other_uses: for each site name, why each use of its output that is not a consumer is not one (the
             ``reason`` of the walk's non-consumer uses, e.g. ``"is returned as a model output"``); a site
             whose output only feeds consumers has none. ``normswap.rotate`` reads it.
+        recording: the graph of the same forward (``walk(..., record=True)``), or None; ``take_recording``
+            hands it over.
     """
 
     sites: list[NormSite]
@@ -187,10 +190,16 @@ class Walk:
     probe_failures: dict[str, str] = field(default_factory=dict)
     config_reads: frozenset[str] | None = None
     other_uses: dict[str, list[str]] = field(default_factory=dict)
+    recording: Recorder | None = field(default=None, repr=False)
+
+    def take_recording(self) -> Recorder | None:
+        """``recording``, which this walk then no longer holds (the caller frees its tensors)."""
+        recording, self.recording = self.recording, None
+        return recording
 
 
 class _Tracer(TorchFunctionMode):
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, record: bool = False):
         super().__init__()
         self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self.param_names: dict[int, str] = {}
@@ -222,11 +231,18 @@ class _Tracer(TorchFunctionMode):
         self.produced: dict[int, _Produced] = {}  # id(linear/conv output) -> what made it and its uses
         self.made_by: dict[int, tuple[weakref.ref, str]] = {}  # id(op output) -> the op, described
         self._made_limit = 4096  # purge dead entries of made_by when it grows past this
+        self.recorder = None  # the graph of the forward, for centering and the rotation (``recording``)
+        if record:
+            modules = {n: id(m) for n, m in model.named_modules(remove_duplicate=False)}
+            buffers = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
+            self.recorder = Recorder(self.param_names, self.params, self.owners, buffers, modules)
 
     # -- module hooks -------------------------------------------------------------------------------------
     def pre_hook(self, module, args):
         self.stack.append(self.names.get(id(module), type(module).__name__))
         self.called.add(id(module))
+        if self.recorder is not None:
+            self.recorder.call(module, args)
 
     def replay_idle_siblings(self, model: nn.Module) -> None:
         """Run, once, every module the forward never called whose sibling (same parent, same class, same
@@ -252,16 +268,18 @@ class _Tracer(TorchFunctionMode):
                 if twin is None:
                     continue
                 args, kwargs = self.first_args[id(twin)]
-                saved = list(self.stack)
+                saved, recorder, self.recorder = list(self.stack), self.recorder, None  # not in the graph
                 try:
                     child(*args, **kwargs)
                 except Exception:  # noqa: BLE001 - a sibling that cannot be replayed stays "untouched"
                     pass
-                self.stack = saved
+                self.stack, self.recorder = saved, recorder
 
     def post_hook(self, module, args, kwargs, output):
         if self.stack:
             self.stack.pop()
+        if self.recorder is not None:
+            self.recorder.returned(output)
         if id(module) not in self.finished:
             self.finished.add(id(module))
             # inputs carrying a norm's output are kept for replay_idle_siblings (already alive: self.keep)
@@ -344,6 +362,8 @@ class _Tracer(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = _func_name(func)
+        if self.recorder is not None:
+            self.recorder.op(func, name, args, kwargs, out, self._module(), name in _IGNORED)
         if name in _IGNORED:
             return out
         flat, _ = tree_flatten((args[:1], {}) if name in _DONOR_OPS else (args, kwargs))
@@ -796,11 +816,14 @@ def trace_example(model: nn.Module, inputs: Inputs = None, hidden_states: bool =
     return ExampleInputs(example.args, {**example.kwargs, "logits_to_keep": 1})
 
 
-def trace(model: nn.Module, inputs: Inputs = None, hidden_states: bool = False) -> tuple[_Tracer, object]:
+def trace(
+    model: nn.Module, inputs: Inputs = None, hidden_states: bool = False, record: bool = False
+) -> tuple[_Tracer, object]:
     """Run one forward of ``model`` under the tracer (on ``trace_example``) and return it with the model's
-    output."""
+    output; with ``record``, the tracer's ``recorder`` holds the graph of that forward (``recording``; its
+    ``finish`` still to be called with the norms' names)."""
     example = trace_example(model, inputs, hidden_states)
-    tracer = _Tracer(model)
+    tracer = _Tracer(model, record)
     modes = {m: m.training for m in model.modules()}
     for m in modes:
         m.training = False  # eval mode without calling train()/eval(), which a model may override
@@ -811,6 +834,8 @@ def trace(model: nn.Module, inputs: Inputs = None, hidden_states: bool = False) 
     try:
         with torch.no_grad(), read_names(tie_configs(model)) as reads, tracer:
             output = model(*example.args, **example.kwargs)
+            if tracer.recorder is not None:
+                tracer.recorder.output(output)
             tracer.replay_idle_siblings(model)
         tracer.config_reads = reads
     finally:
@@ -835,8 +860,16 @@ def _accepts(model: nn.Module, keyword: str) -> bool:
 accepts = _accepts  # public name for the check, which passes output_hidden_states where a forward takes it
 
 
+def record(model: nn.Module, site_names: list[str], inputs: Inputs = None) -> Recorder:
+    """The graph of one traced forward of ``model`` (``normswap.recording``), with the modules
+    ``site_names`` as its norms: what ``walk(..., record=True)`` keeps, for a walk made without it."""
+    return trace(model, inputs, record=True)[0].recorder.finish(site_names)
+
+
 @exact_float32()
-def walk(model: nn.Module, inputs: Inputs = None, keep_hidden_states: bool = False) -> Walk:
+def walk(
+    model: nn.Module, inputs: Inputs = None, keep_hidden_states: bool = False, record: bool = False
+) -> Walk:
     """Find the norms of ``model`` and what consumes each one's output.
 
     Args:
@@ -846,6 +879,9 @@ def walk(model: nn.Module, inputs: Inputs = None, keep_hidden_states: bool = Fal
         keep_hidden_states: trace with ``output_hidden_states=True`` (where the forward takes it): a norm
             whose output is returned as a hidden state (the final norm) is then not foldable ("output is
             returned as a model output"), so the converted model's hidden states stay the original's.
+        record: also record the graph of the same forward (``normswap.recording.Recorder``, with the norms
+            found), for centering and the rotation: ``Walk.recording``. It holds every tensor of that
+            forward until it is dropped.
 
     Returns:
         A ``Walk`` with one ``NormSite`` per norm module, in the order the forward first called them.
@@ -855,7 +891,7 @@ def walk(model: nn.Module, inputs: Inputs = None, keep_hidden_states: bool = Fal
         NormswapError: parameters offloaded by accelerate (``normswap.device.refuse_offloaded``).
     """
     refuse_offloaded(model)
-    tracer, output = trace(model, inputs, keep_hidden_states)
+    tracer, output = trace(model, inputs, keep_hidden_states, record)
     flat, _ = tree_flatten(output if not hasattr(output, "to_tuple") else output.to_tuple())
     for t in flat:
         if isinstance(t, torch.Tensor) and id(t) in tracer.tags:
@@ -879,6 +915,7 @@ def walk(model: nn.Module, inputs: Inputs = None, keep_hidden_states: bool = Fal
         sites=sites, param_uses=dict(tracer.param_uses), owners=dict(tracer.owners), untouched=untouched,
         probe_failures=failures, config_reads=frozenset(tracer.config_reads),
         other_uses={s.name: other_uses[s.name] for s in sites if other_uses.get(s.name)},
+        recording=None if tracer.recorder is None else tracer.recorder.finish([s.name for s in sites]),
     )  # fmt: skip
 
 
@@ -1049,6 +1086,7 @@ def _foldability(site: NormSite, call: SourceCall, reasons: list[str]) -> tuple[
     return True, None
 
 
-# Public names for the recorder in ``normswap.center.record``, which sees the same ops as the tracer.
+# Public names for the code that sees the same ops as the tracer (fake quantization, learned rotation, the
+# streamed model's guard).
 func_name = _func_name  # the op name of a torch function as ``__torch_function__`` receives it
 METADATA_OPS = _IGNORED  # ops that read only a tensor's metadata (shape, dtype, device), never its values

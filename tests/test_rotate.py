@@ -92,23 +92,21 @@ def test_exact_in_float64(name):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "opt"])
-def test_centering_uses_the_rotation_plans_recording(name, monkeypatch):
-    """A LayerNorm model is centered before it is rotated; centering plans on the forward the rotation plan
-    recorded (one recording, not two: on a streamed model, one pass over the weights on disk fewer). The
-    weights are bit-identical to those of a conversion that records again for centering, and the model
-    computes the original's outputs."""
-    import normswap.center.plan as center_plan
-    import normswap.rotate.plan as rotate_plan
+def test_one_traced_forward_serves_the_walk_the_rotation_and_centering(name, monkeypatch):
+    """A LayerNorm model is centered before it is rotated. The walk's forward also records the graph that
+    the rotation plan and centering read: one traced forward, not three (on a streamed model, passes over
+    the weights on disk). The weights are bit-identical to those of a conversion where the rotation plan and
+    centering each record a forward of their own, and the model computes the original's outputs."""
+    import normswap.walk as walk_module
 
-    calls = []
-    for module in (center_plan, rotate_plan):
-        real = module.record
-        monkeypatch.setattr(module, "record", lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    traces = []
+    real_trace = walk_module.trace
+    monkeypatch.setattr(walk_module, "trace", lambda *a, **k: traces.append(1) or real_trace(*a, **k))
     model = tiny_model(name)
     again, reference = copy.deepcopy(model), copy.deepcopy(model)
     normswap.convert(model, rotate="hadamard")
-    assert len(calls) == 1
-    real_plan = rotate_plan.plan_rotation
+    assert len(traces) == 1
+    real_plan = normswap.rotate.plan_rotation
 
     def forgetting(*args, **kwargs):  # the plan without its recording: centering records its own
         plan = real_plan(*args, **kwargs)
@@ -116,8 +114,10 @@ def test_centering_uses_the_rotation_plans_recording(name, monkeypatch):
         return plan
 
     monkeypatch.setattr(normswap.rotate, "plan_rotation", forgetting)
-    normswap.convert(again, rotate="hadamard")
-    assert len(calls) == 3
+    traced = walk_module.walk(again)  # walked without recording: the rotation plan records its own
+    assert traced.recording is None
+    normswap.convert(again, rotate="hadamard", traced=traced)
+    assert len(traces) == 4  # the first conversion's one, then the walk, the rotation plan's, centering's
     a, b = _state(model), _state(again)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ids = example_ids()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from normswap import dimmap
-from normswap.center.record import ZEROS, Node  # noqa: F401 - ZEROS is part of ops
+from normswap.recording import ZEROS, Node  # noqa: F401 - ZEROS is part of ops
 
 ADD = {"add", "add_", "__add__", "__iadd__", "__radd__", "sub", "sub_", "__sub__", "__isub__", "__rsub__"}
 SCALE = {"mul", "mul_", "__mul__", "__imul__", "__rmul__", "div", "div_", "__truediv__", "__itruediv__",

@@ -23,10 +23,10 @@ from normswap.center import ops
 from normswap.center.errors import refusal
 from normswap.center.flags import Flag, bias_blocked, bias_flags
 from normswap.center.readers import check_readers, in_order, untie_plan
-from normswap.center.record import Key, record
 from normswap.center.writers import Write, Writers
+from normswap.recording import Key
 from normswap.sites import NormSite
-from normswap.walk import Walk
+from normswap.walk import Walk, record
 
 
 @dataclass
@@ -88,8 +88,9 @@ def plan_centering(
 ) -> Plan:
     """Plan the centering of ``model`` (arguments as ``center``); changes nothing.
 
-    ``recorded``: a ``record.Recorder`` of this model as it is, on inputs of the same dataflow (the rotation
-    plan's), used instead of recording another forward.
+    ``recorded``: a ``recording.Recorder`` of this model as it is, on inputs of the same dataflow (the walk's
+    or the rotation plan's), used instead of recording another forward; None: ``walk.recording``, else one
+    is recorded.
 
     Returns:
         A ``Plan``; its ``result.note`` says why nothing is to be done for a model without LayerNorm.
@@ -102,7 +103,9 @@ def plan_centering(
     if not layer:
         result.note = "no LayerNorm: nothing to center (centering an RMSNorm model would change it)"
         return Plan(result, {}, {}, [], [], [], {})
-    rec = recorded if recorded is not None else record(model, [s.name for s in walk.sites], inputs)
+    rec = recorded if recorded is not None else walk.recording
+    if rec is None:
+        rec = record(model, [s.name for s in walk.sites], inputs)
     finder = Writers(rec, {s.name: s.kind for s in walk.sites})
     cone: set[Key] = set()
     writes: dict[Key, list[Write]] = defaultdict(list)

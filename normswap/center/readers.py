@@ -15,8 +15,8 @@ import torch
 
 from normswap.center import ops
 from normswap.center.errors import refusal
-from normswap.center.record import Key, Recorder
 from normswap.center.writers import Write, Writers
+from normswap.recording import Key, Recorder
 
 
 def in_order(rec: Recorder, keys: set[Key]) -> list[Key]:

@@ -29,7 +29,7 @@ import torch
 from normswap import dimmap
 from normswap.center import ops
 from normswap.center.errors import refusal
-from normswap.center.record import Key, Node, Recorder
+from normswap.recording import Key, Node, Recorder
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from torch import nn
 
 from normswap.center import ops
 from normswap.center.errors import CenteringError
-from normswap.center.record import Key, Node, Recorder
+from normswap.recording import Key, Node, Recorder
 from normswap.rotate.plan import RotationError, StreamWriters, _holder
 from normswap.rotate.plan import _refuse as refuse_centering
 

@@ -1,6 +1,6 @@
 """The plan of a residual-stream rotation: which norms read the stream, who writes it, who reads it.
 
-Everything comes from the dataflow of one recorded forward (``normswap.center.record``), never from names:
+Everything comes from the dataflow of one recorded forward (``normswap.recording``), never from names:
 
 1. **stream norms**: the norms reached from an embedding lookup through sums, scalings and
    value-preserving ops (``center.ops``: ``ADD``, ``SCALE``, ``PASS``, ``ROWSUM``), and through the output
@@ -35,13 +35,13 @@ from torch import nn
 
 from normswap.center import ops
 from normswap.center.errors import CenteringError
-from normswap.center.record import Key, Recorder, record
 from normswap.center.writers import Write, Writers
 from normswap.errors import NormswapError
 from normswap.fold import FoldPlan, Untied, scale_and_shift
 from normswap.fold import plan as fold_plan
+from normswap.recording import Key, Recorder
 from normswap.sites import NormSite
-from normswap.walk import Walk, short_inputs
+from normswap.walk import Walk, record, short_inputs
 
 Holder = tuple[str, str]  # (module name, attribute) holding a Parameter
 
@@ -91,7 +91,7 @@ class RotationPlan:
             ``LayerNorm(h Q) = LayerNorm(h) Q``; the conversion centers such a model first where it can.
         returned: stream norms whose output the model returns (hidden states rotated by design).
         heads: the per-head value/output rotation (``heads.HeadPlan``), or None.
-        recorded: the recording forward the plan was made from (``center.record.Recorder``), for centering
+        recorded: the recording forward the plan was made from (``recording.Recorder``), for centering
             to use instead of recording another (``convert`` drops it once centering has run).
     """
 
@@ -202,6 +202,7 @@ def plan_rotation(
     heads: bool = False,
     skipped_tensors=(),
     read=None,
+    recorded=None,
 ) -> RotationPlan:
     """Plan the rotation of ``model``'s residual stream; changes nothing.
 
@@ -216,6 +217,8 @@ def plan_rotation(
             refused, since their inputs (the embeddings, the final hidden state) would be rotated.
         read: ``read(name)`` gives a parameter's values for the fold plan's range test
             (``normswap.fold.plan``; default ``model.get_parameter``; a streamed model reads them from disk).
+        recorded: the graph of this model's forward (``recording.Recorder``: the walk's, taken with
+            ``Walk.take_recording``); None: ``walk.recording``, else one is recorded.
 
     Returns:
         A ``RotationPlan``.
@@ -231,7 +234,9 @@ def plan_rotation(
             "they read the embeddings or the final hidden state, which the rotation changes"
         )
     sites = {s.name: s for s in walk.sites}
-    rec = record(model, [s.name for s in walk.sites], short_inputs(inputs))
+    rec = recorded if recorded is not None else walk.recording
+    if rec is None:
+        rec = record(model, [s.name for s in walk.sites], short_inputs(inputs))
     finder = StreamWriters(rec, sites)
     marked = _stream_sites(rec)
     if not marked:
