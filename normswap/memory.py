@@ -12,8 +12,11 @@ normswap streams"), from the checkpoint's headers and config alone, before anyth
 * ``upcast``: half precision only: the check runs the original once more with every floating parameter in
   float32 (``normswap.check.upcast``), beside the half-precision values;
 * ``untie``: the copy of a tied ``lm_head`` the final norm folds into (vocabulary x hidden);
+* ``recording`` (``--norm rmsnorm`` or ``--rotate``): the graph of the walk's forward (``normswap.recording``,
+  on ``walk.SHORT_POSITIONS`` tokens) keeps every activation of it, from the walk until the plans are made:
+  ``RECORD_COPIES`` (tokens x (hidden + intermediate)) arrays per layer in the conversion's dtype;
 * ``centering`` (``--norm rmsnorm``): the written weights are copied before they are replaced (half the
-  weights at most) and the recording forward keeps its activations;
+  weights at most) and the features replayed through the recorded ops;
 * ``rotation`` (``--rotate``, ``rotate.apply.rotation_bytes``): the float64 ``Q`` (hidden x hidden) and
   ``H`` (head_dim x head_dim), every rotated weight's new values (computed before any is assigned, so that a
   refusal changes nothing: the weights once more, at most), and one tensor's float64 temporaries;
@@ -29,7 +32,8 @@ bound's verdict stands (``NoFloat64Reference``), unless the kernel's out-of-memo
 first.
 
 The stages do not overlap: loading (weights + cast), the reference (weights + upcast + logits +
-activations), the conversion and check (weights + untie + centering + rotation + logits + activations); the
+activations + recording), the conversion and check (weights + untie + recording + centering + rotation +
+logits + activations); the
 verification's fresh load comes after the model is freed. The estimate is their maximum plus the runtime;
 ``LOGIT_COPIES`` and ``LAYER_COPIES`` are set from measured peaks (benchmarks/bench_memory.py) so that the
 estimate is at or above the measured peak.
@@ -48,6 +52,7 @@ GIB = 2**30
 RUNTIME = int(0.45 * GIB)
 LOGIT_COPIES = 2.5  # float64-sized (tokens x vocabulary) arrays held at once by the check
 LAYER_COPIES = 2.5  # float32 (tokens x (hidden + intermediate)) arrays held per layer
+RECORD_COPIES = 11  # (tokens x (hidden + intermediate)) arrays a recorded forward keeps per layer (10.2)
 FITS = 0.9  # the in-memory path runs when its estimated peak is at most this share of the available memory
 STREAM_SHARE = 0.25  # share of the available memory a derived streaming budget allows for weights
 HALF = ("bfloat16", "float16")
@@ -112,6 +117,7 @@ def estimate(
         ``Estimate``.
     """
     from normswap.rotate.apply import rotation_bytes
+    from normswap.walk import SHORT_POSITIONS
 
     elt = _size(dtype)
     weights = stored = upcast = largest = 0
@@ -141,6 +147,9 @@ def estimate(
         "cast": stored if cast and device == "cpu" else 0,
         "upcast": upcast if name in HALF else 0,
         "untie": vocab * hidden * elt if tied and untie else 0,
+        "recording": RECORD_COPIES * layers * SHORT_POSITIONS * (hidden + inter) * elt
+        if norm == "rmsnorm" or rotate
+        else 0,
         "centering": weights // 2 + 2 * int(LAYER_COPIES * layers * tokens * (hidden + inter) * 4)
         if norm == "rmsnorm"
         else 0,
@@ -154,9 +163,10 @@ def estimate(
     }
     stages = {
         "load": parts["weights"] + parts["cast"],
-        "reference": parts["weights"] + parts["upcast"] + parts["logits"] + parts["activations"],
-        "convert": parts["weights"] + parts["untie"] + parts["centering"] + parts["rotation"]
-        + parts["logits"] + parts["activations"],
+        "reference": parts["weights"] + parts["upcast"] + parts["logits"] + parts["activations"]
+        + parts["recording"],
+        "convert": parts["weights"] + parts["untie"] + parts["recording"] + parts["centering"]
+        + parts["rotation"] + parts["logits"] + parts["activations"],
     }  # fmt: skip
     stage = max(stages, key=stages.get)
     return Estimate(parts["runtime"] + stages[stage], stage, parts, device)

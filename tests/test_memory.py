@@ -49,6 +49,12 @@ def test_estimate_terms():
     assert memory.estimate(tensors, config, torch.float32, untie=False).parts["untie"] == 0
     centered = memory.estimate(tensors, config, torch.float32, norm="rmsnorm")
     assert centered.parts["centering"] >= centered.parts["weights"] // 2 and centered.stage == "convert"
+    # the walk's recorded forward (32 tokens), held from the walk, through the reference, to the plans
+    assert full.parts["recording"] == 0
+    recording = memory.RECORD_COPIES * 32 * 32 * (4096 + 11008) * 4
+    assert centered.parts["recording"] == recording
+    rotated = memory.estimate(tensors, config, torch.bfloat16, rotate=True)
+    assert rotated.parts["recording"] == recording // 2
     device = memory.estimate(tensors, config, torch.bfloat16, device="cuda:0")
     assert device.parts["runtime"] == device.parts["cast"] == 0
 

@@ -17,8 +17,8 @@ measured results: docs/CENTERING.md.
 
 Nothing here reads class or parameter names. The steps, one module each:
 
-* ``record``: one forward under a ``TorchFunctionMode`` records every torch op and every use of each
-  tensor version;
+* (``normswap.recording``: the walk's forward records every torch op and every use of each tensor
+  version;)
 * ``writers``: from each LayerNorm's input, back through sums and value-preserving ops to the writers
   (``ops`` says what each recorded op means);
 * ``plan``: which features are normalized together (recorded ops replayed on feature indices), the
@@ -71,8 +71,8 @@ def center(
         untie: allow giving a holder of a written parameter (``lm_head`` tied to the embedding) its own
             copy; with False such a model is refused.
         add_biases: allow setting config flags that add zero biases to consumers.
-        recorded: the recording forward of this model as it is (``record.Recorder``, the rotation plan's), or
-            None to record one.
+        recorded: the recording forward of this model as it is (``recording.Recorder``: the walk's or the
+            rotation plan's), or None: ``walk.recording``, else one is recorded.
 
     Returns:
         A ``CenterResult``.

@@ -1,13 +1,13 @@
 """The plan: what is centered, in which feature groups, and what else changes; nothing is touched.
 
-``plan_centering`` records one forward (``record``), finds the writers of every LayerNorm input
-(``writers``), then learns which features each LayerNorm normalizes together by replaying the recorded
-ops on tensors of feature indices (``ops.replay``): for the residual stream every row of a writer is in
-one group; for a per-head q/k LayerNorm applied after ``view(B, S, H, head_dim)`` the groups are the
+``plan_centering`` reads the walk's recorded forward (``normswap.recording``), finds the writers of every
+LayerNorm input (``writers``), then learns which features each LayerNorm normalizes together by replaying the
+recorded ops on tensors of feature indices (``ops.replay``): for the residual stream every row of a writer is
+in one group; for a per-head q/k LayerNorm applied after ``view(B, S, H, head_dim)`` the groups are the
 ``head_dim`` rows of each head, and each head is centered separately (SliceGPT's invariance holds per
-normalized group: ``LayerNorm(x) = RMSNorm(Cx) * (offset + w) + b`` with ``C`` centering that group).
-Then ``readers`` checks the other direction and finds the holders to untie, and ``flags`` finds config
-flags that add the consumer biases a fold needs. Every refusal is raised here, before any change.
+normalized group: ``LayerNorm(x) = RMSNorm(Cx) * (offset + w) + b`` with ``C`` centering that group). Then
+``readers`` checks the other direction and finds the holders to untie, and ``flags`` finds config flags that
+add the consumer biases a fold needs. Every refusal is raised here, before any change.
 """
 
 from __future__ import annotations
