@@ -860,7 +860,7 @@ def _accepts(model: nn.Module, keyword: str) -> bool:
 accepts = _accepts  # public name for the check, which passes output_hidden_states where a forward takes it
 
 
-def record(model: nn.Module, site_names: list[str], inputs: Inputs = None) -> Recorder:
+def record_forward(model: nn.Module, site_names: list[str], inputs: Inputs = None) -> Recorder:
     """The graph of one traced forward of ``model`` (``normswap.recording``), with the modules
     ``site_names`` as its norms: what ``walk(..., record=True)`` keeps, for a walk made without it."""
     return trace(model, inputs, record=True)[0].recorder.finish(site_names)

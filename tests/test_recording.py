@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from normswap.walk import record, walk
+from normswap.walk import record_forward, walk
 
 
 class _Block(nn.Module):
@@ -100,12 +100,12 @@ def test_each_norm_call_is_one_node_and_its_ops_are_not_in_the_graph():
 
 
 def test_a_walk_without_the_recording_records_the_same_graph_on_demand():
-    """``record`` (for a walk made without ``record=True``) gives the same ops, modules and order."""
+    """``record_forward`` (for a walk made without ``record=True``) gives the same ops, modules and order."""
     model = _model()
     ids = torch.randint(0, 11, (2, 5))
     traced = walk(model, ids)
     assert traced.recording is None
-    again = record(model, [s.name for s in traced.sites], ids)
+    again = record_forward(model, [s.name for s in traced.sites], ids)
     recorded = walk(model, ids, record=True).recording
 
     def shape(rec):

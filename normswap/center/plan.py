@@ -26,7 +26,7 @@ from normswap.center.readers import check_readers, in_order, untie_plan
 from normswap.center.writers import Write, Writers
 from normswap.recording import Key
 from normswap.sites import NormSite
-from normswap.walk import Walk, record
+from normswap.walk import Walk, record_forward
 
 
 @dataclass
@@ -105,7 +105,7 @@ def plan_centering(
         return Plan(result, {}, {}, [], [], [], {})
     rec = recorded if recorded is not None else walk.recording
     if rec is None:
-        rec = record(model, [s.name for s in walk.sites], inputs)
+        rec = record_forward(model, [s.name for s in walk.sites], inputs)
     finder = Writers(rec, {s.name: s.kind for s in walk.sites})
     cone: set[Key] = set()
     writes: dict[Key, list[Write]] = defaultdict(list)

@@ -41,7 +41,7 @@ from normswap.fold import FoldPlan, Untied, scale_and_shift
 from normswap.fold import plan as fold_plan
 from normswap.recording import Key, Recorder
 from normswap.sites import NormSite
-from normswap.walk import Walk, record, short_inputs
+from normswap.walk import Walk, record_forward, short_inputs
 
 Holder = tuple[str, str]  # (module name, attribute) holding a Parameter
 
@@ -236,7 +236,7 @@ def plan_rotation(
     sites = {s.name: s for s in walk.sites}
     rec = recorded if recorded is not None else walk.recording
     if rec is None:
-        rec = record(model, [s.name for s in walk.sites], short_inputs(inputs))
+        rec = record_forward(model, [s.name for s in walk.sites], short_inputs(inputs))
     finder = StreamWriters(rec, sites)
     marked = _stream_sites(rec)
     if not marked:
