@@ -197,7 +197,8 @@ def _interrupted(meta: dict) -> str:
         return f"normswap: {how} after the command finished; what it printed and wrote is complete"
     stages, output, absolute, existed = meta.get(_INTERRUPT) or (None, None, None, True)
     stage = stages.current if stages is not None else None
-    where = f" during {stage}" if stage else ""
+    ended = next(reversed(stages.timings), None) if stages is not None else None  # the last stage that ran
+    where = f" during {stage}" if stage else (f" after {ended}" if ended else "")
     if output is None:
         return f"normswap: {how}{where}; nothing was written"
     staging = sys.modules.get("normswap.io.staging")  # not imported: nothing was saved

@@ -238,6 +238,7 @@ VERIFYING = "normswap: interrupted while verifying; " + STATE.replace("{what}", 
     [
         ("parse", "normswap: interrupted; nothing was written"),
         ("load", "normswap: interrupted during load; nothing was written ({out} was not created)"),
+        ("between", "normswap: interrupted after load; nothing was written ({out} was not created)"),
         ("save", SAVING),
         ("verify", VERIFYING),
         ("replaced", "normswap: interrupted after the save; {out} holds the new, verified checkpoint"),
@@ -257,6 +258,10 @@ def test_ctrl_c_exits_130_and_says_what_state_the_output_is_in(where, says, tiny
         _interrupt(monkeypatch, click.Command, "parse_args", after=1)  # the group parses, then the command
     elif where == "load":
         _interrupt(monkeypatch, io, "load_model")
+    elif where == "between":  # the load has ended, the walk not begun: the input's other files are listed
+        from normswap.io import carry
+
+        _interrupt(monkeypatch, carry, "gather")
     elif where == "save":
         _interrupt(monkeypatch, save, "write_checkpoint")
     elif where == "verify":
