@@ -219,7 +219,10 @@ def _interrupted(meta: dict) -> str:
         why = "was not in place yet" if absent else "had not replaced it"
     else:
         return f"normswap: {how}{where}; nothing was written ({state})"
-    doing = {"save": " while saving", "verify": " while verifying"}.get(stage, where or " while saving")
+    # a staged checkpoint and no stage running: between the check and the save, or the save's steps
+    doing = {"save": " while saving", "verify": " while verifying"}.get(
+        stage, f" during {stage}" if stage else " while saving"
+    )
     return f"normswap: {how}{doing}; {state} (the new checkpoint {why} and is removed)"
 
 

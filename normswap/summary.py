@@ -49,8 +49,16 @@ def streamed_line(report: dict) -> str | None:
         line += f", weights held at most {progress.size(peak)}"
         if budget is not None and peak > budget:
             whole = "one module's weights, or a tensor being written, are held whole"
-            line += f": over the budget of {progress.size(budget)} ({whole})"
+            line += f": over the budget of {_decimal(budget)} ({whole})"
     return line
+
+
+def _decimal(nbytes: int) -> str:
+    """``progress.size``, and a budget given in decimal units as given: ``"95.4 MiB = 100 MB"``."""
+    for unit, scale in (("GB", 10**9), ("MB", 10**6)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{progress.size(nbytes)} = {nbytes // scale} {unit}"
+    return progress.size(nbytes)
 
 
 def contract_lines(check: dict, report: dict) -> list[str]:

@@ -711,3 +711,17 @@ def test_two_processes_write_the_same_bytes(tokenizer, tmp_path):
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
     assert json.loads((two / "normswap.json").read_text())["streamed"]["processes"] == 2
     assert_verified(two, done.stdout)  # the digests of both processes' shards
+
+
+def test_a_budget_given_in_decimal_units_is_said_in_them_too():
+    """``--max-memory 100MB`` is 100 * 10**6 bytes: the line says 95.4 MiB (100e6 / 2**20 = 95.37) and the
+    100 MB the user gave, so the two numbers are not taken for a conversion error."""
+    from normswap.summary import streamed_line
+
+    report = {"streamed": {"peak_weight_bytes": 113 * 10**6, "budget": 100 * 10**6, "shards": 2}}
+    assert streamed_line(report) == (
+        "memory:   streamed (2 shards), weights held at most 107.8 MiB: over the budget of 95.4 MiB = 100 MB "
+        "(one module's weights, or a tensor being written, are held whole)"
+    )  # 113e6 / 2**20 = 107.76
+    report["streamed"]["budget"] = 100 * 2**20  # 100MiB: one unit, as given
+    assert "over the budget of 100.0 MiB (" in streamed_line(report)

@@ -171,11 +171,20 @@ def test_a_converted_output_is_rotated(name, first, tokenizer, tmp_path):  # noq
     r = run("convert", conv, "-o", tmp_path / "streamed", *args, "--max-memory", "64KB")
     assert r.exit_code == 0, r.output
     assert_same_checkpoint(tmp_path / "memory", tmp_path / "streamed")
+    carried = [
+        json.loads((tmp_path / out / "normswap.json").read_text())["carried"]
+        for out in ("memory", "streamed")
+    ]
+    assert carried[0] == carried[1]  # what the two paths say they copied: the same
     for out in (tmp_path / "memory", tmp_path / "streamed"):
         report = json.loads((out / "normswap.json").read_text())
         assert report["check"]["passed"] and report["check"]["divergence"] is None
         assert report["rotation"]["centered"] is (name == "gpt2")
         assert_folder_rotated(model, out)
+        # the output's normswap.json is this conversion's, never a copy of the input's, nor said to be one
+        assert report["model"] == str(conv) and "normswap.json" not in (report["carried"] or {}).get(
+            "files", []
+        )
         if name == "gpt2":  # the input's centering.json is its own record (e - mean alone): not carried over
             assert not (out / "centering.json").exists()
             [why] = [x for x in report["carried"]["not_copied"] if x.startswith("centering.json ")]

@@ -19,7 +19,8 @@
   processor's or a sentence-transformers pipeline's configuration (``preprocessor_config.json``,
   ``modules.json``, ``1_Pooling/config.json``), chat templates, the model's own code. Subfolders are
   walked; hidden entries (``.git``, ``.cache``) are not. A file the output already holds (written by
-  transformers or normswap: ``config.json``, tokenizer files, ...) is never overwritten. Not copied, and
+  transformers or normswap: ``config.json``, tokenizer files, ...) is never overwritten, and the input's
+  ``normswap.json`` is not a file to copy at all (the output's records its own conversion). Not copied, and
   named in the report with the reason: the input checkpoint's own weight files (the output holds the
   converted weights), weights of the original in another format or training state (``*.bin``, ``*.pt``,
   ``*.onnx``, ``*.h5``, ...: they would not match the converted model), files larger than
@@ -134,6 +135,8 @@ def extra_files(folder: Path) -> tuple[list[str], dict[str, str]]:
             path = Path(root) / name
             rel = path.relative_to(folder).as_posix()
             if name.startswith(".") or not path.is_file() or rel in checkpoint or rel in not_copied:
+                continue
+            if rel == "normswap.json":  # the output's own manifest, never a copy: it records this conversion
                 continue
             if rel.lower().endswith(WEIGHT_SUFFIXES) or rel.endswith(CHECKPOINT_INDEXES):
                 not_copied[rel] = "weights or training state of the original, not the converted model's"
