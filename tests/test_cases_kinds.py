@@ -110,18 +110,25 @@ def test_c16_example_inputs_keyword_and_input_ids_exclusive():
 # -- C12: a gated RMSNorm called with its gate by keyword ---------------------------------------------------
 
 
+def _gated_norm() -> type:
+    """Mamba2's gated RMSNorm (``norm(x * silu(gate))``): ``MambaRMSNormGated`` up to transformers 5.24,
+    ``Mamba2RMSNormGated`` from 5.25 on (the same signature and computation)."""
+    from transformers.models.mamba2 import modeling_mamba2
+
+    return getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
+
+
 class GatedBlock(nn.Module):
     """``h + out(gated(y, gate=z))`` with ``y, z = in(norm(h))``: a gated norm between two linears."""
 
     def __init__(self, keyword: bool, d: int = 64, inner: int = 128):
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
-        from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 
         super().__init__()
         self.keyword = keyword
         self.norm = LlamaRMSNorm(d)
         self.in_proj = nn.Linear(d, 2 * inner)
-        self.gated = MambaRMSNormGated(inner, group_size=inner)
+        self.gated = _gated_norm()(inner, group_size=inner)
         self.out_proj = nn.Linear(inner, d)
 
     def forward(self, h):
@@ -150,11 +157,11 @@ class GatedLM(nn.Module):
 @pytest.mark.parametrize("keyword", [True, False], ids=["gate=z", "positional"])
 def test_c12_gated_norm_is_left_in_place(keyword):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 
+    gated_norm = _gated_norm()
     torch.manual_seed(0)
     model = GatedLM(keyword).eval()
-    _randomize(model, (LlamaRMSNorm, MambaRMSNormGated))
+    _randomize(model, (LlamaRMSNorm, gated_norm))
     reference = copy.deepcopy(model)
     report = normswap.convert(model)
     sites = {s.name: s for s in report.sites}
@@ -163,7 +170,7 @@ def test_c12_gated_norm_is_left_in_place(keyword):
         assert not gated.foldable and not gated.folded and not gated.swapped and not gated.swappable
         assert gated.reason.startswith("called with another input (")
         assert f"by blocks.{i}" in gated.reason and ("gate=" in gated.reason) == keyword
-        assert type(model.blocks[i].gated) is MambaRMSNormGated  # still applies the gate
+        assert type(model.blocks[i].gated) is gated_norm  # still applies the gate
         assert sites[f"blocks.{i}.norm"].folded
     assert sites["norm"].folded
     assert report.norms_found == 5 and report.norms_swapped == report.norms_folded == 3
