@@ -239,7 +239,12 @@ class _Tracer(TorchFunctionMode):
 
     # -- module hooks -------------------------------------------------------------------------------------
     def pre_hook(self, module, args):
-        self.stack.append(self.names.get(id(module), type(module).__name__))
+        # a module outside the model's tree (a function the ``kernels`` package wraps as a module, as
+        # transformers >= 5.25 does with its rotary embedding) runs on behalf of the module that called it
+        name = self.names.get(id(module))
+        if name is None:
+            name = self.stack[-1] if self.stack else type(module).__name__
+        self.stack.append(name)
         self.called.add(id(module))
         if self.recorder is not None:
             self.recorder.call(module, args)
